@@ -1,0 +1,1 @@
+"""Reading and writing other frameworks' checkpoints."""

@@ -1,0 +1,265 @@
+"""Hugging Face DeepSeek-V3 checkpoints <-> moejax models.
+
+One table maps every moejax parameter to its Hugging Face tensor(s) and says how to
+convert (copy, transpose a (out, in) weight into an (in, out) kernel, or stack per-expert
+weights); loading and saving both read that table, so they cannot drift apart. Stacked
+layers map to ``model.layers.{i}``; MTP depth d maps to ``model.layers.{L+d-1}`` with
+DeepSeek's names (enorm, hnorm, eh_proj, shared_head.norm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from moejax.config import ConfigError, ModelConfig, RopeScaling
+from moejax.interop.safetensors_io import read_safetensors, write_safetensors
+from moejax.model import DeepseekV3
+
+Path_ = tuple[str | int, ...]
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint tensor is missing or has the wrong shape for the config."""
+
+
+# ---------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def config_from_hf(values: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from a Hugging Face DeepSeek-V3 ``config.json`` dict."""
+    for key, allowed in (("hidden_act", "silu"), ("scoring_func", "sigmoid"),
+                         ("topk_method", "noaux_tc")):
+        if key in values and values[key] != allowed:
+            raise ConfigError(f"{key}={values[key]!r}: moejax supports only {allowed!r}")
+    if values.get("attention_bias"):
+        raise ConfigError("attention_bias=True: moejax's MLA has no projection biases")
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"rope_scaling", "rope_theta"}
+    kwargs = {k: v for k, v in values.items() if k in names}
+    rope = values.get("rope_parameters") or values.get("rope_scaling") or {}
+    kwargs["rope_theta"] = float(rope.get("rope_theta", values.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "yarn":
+        fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"type"}
+        kwargs["rope_scaling"] = RopeScaling(**{k: v for k, v in rope.items()
+                                                if k in fields and v is not None})
+    elif rope_type != "default":
+        raise ConfigError(f"rope type {rope_type!r}: moejax supports 'default' and 'yarn'")
+    return ModelConfig(**kwargs)
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    values = {k: v for k, v in dataclasses.asdict(config).items()
+              if k not in ("rope_scaling", "aux_loss_alpha")}
+    rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if config.rope_scaling is not None:
+        rope.update(dataclasses.asdict(config.rope_scaling))
+        rope["rope_type"] = rope.pop("type")
+    values.update(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+        num_key_value_heads=config.num_attention_heads, hidden_act="silu",
+        scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
+        rope_parameters=rope, aux_loss_alpha=config.aux_loss_alpha)
+    return values
+
+
+# ---------------------------------------------------------------------------------------
+# The parameter table
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """How one moejax array is stored as HF tensors.
+
+    kind: 'copy'; 'transpose' (HF (out, in) weight vs our (in, out) kernel); 'experts'
+    (HF per-expert (out, in) weights stacked into our (E, in, out)). ``names`` are HF
+    names, relative to each layer prefix when the array is stacked over layers.
+    """
+
+    kind: str
+    names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One moejax array: its state path, its entry, and HF layer prefixes if stacked."""
+
+    path: Path_
+    entry: Entry
+    prefixes: tuple[str, ...] | None = None  # None: one unstacked array, full names
+
+
+def _block_entry(path: Path_, num_experts: int) -> Entry:
+    if path == ("mlp", "router"):
+        return Entry("transpose", ("mlp.gate.weight",))
+    if len(path) == 2 and path[0] == "mlp" and path[1] in ("gate_proj", "up_proj", "down_proj"):
+        return Entry("experts", tuple(f"mlp.experts.{e}.{path[1]}.weight"
+                                      for e in range(num_experts)))
+    dotted = ".".join(str(p) for p in path)
+    if path[-1] == "kernel":
+        return Entry("transpose", (dotted[:-len("kernel")] + "weight",))
+    return Entry("copy", (dotted,))
+
+
+def _leaf_paths(module: nnx.Module) -> list[Path_]:
+    return [tuple(path) for path, _ in nnx.to_flat_state(nnx.state(module))]
+
+
+def _table(model: DeepseekV3) -> Iterator[Row]:
+    """Every array of ``model`` with where it lives in an HF checkpoint."""
+    c = model.config
+    yield Row(("embed_tokens",), Entry("copy", ("model.embed_tokens.weight",)))
+    yield Row(("norm", "weight"), Entry("copy", ("model.norm.weight",)))
+    if model.lm_head is not None:
+        yield Row(("lm_head", "kernel"), Entry("transpose", ("lm_head.weight",)))
+    for attr, first, count in (("dense_blocks", 0, c.first_k_dense_replace),
+                               ("moe_blocks", c.first_k_dense_replace, c.num_moe_layers)):
+        stack = getattr(model, attr)
+        if stack is not None:
+            prefixes = tuple(f"model.layers.{first + j}." for j in range(count))
+            for path in _leaf_paths(stack):
+                yield Row((attr,) + path, _block_entry(path, c.n_routed_experts), prefixes)
+    mtp_renames = {("norm", "weight"): Entry("copy", ("shared_head.norm.weight",))}
+    for d, module in enumerate(model.mtp):
+        prefix = (f"model.layers.{c.num_hidden_layers + d}.",)
+        for path in _leaf_paths(module):
+            inner = path[1:] if path[0] == "block" else path
+            entry = mtp_renames.get(path) or _block_entry(inner, c.n_routed_experts)
+            yield Row(("mtp", d) + path, entry, prefix)
+    rows = [f"model.layers.{c.first_k_dense_replace + j}." for j in range(c.num_moe_layers)]
+    rows += [f"model.layers.{c.num_hidden_layers + d}." for d in range(len(model.mtp))]
+    yield Row(("router_bias",), Entry("copy", ("mlp.gate.e_score_correction_bias",)),
+              tuple(rows[:model.router_bias.shape[0]]))
+
+
+def _from_hf(entry: Entry, tensors: list[np.ndarray]) -> np.ndarray:
+    if entry.kind == "copy":
+        return tensors[0]
+    if entry.kind == "transpose":
+        return tensors[0].T
+    return np.stack([t.T for t in tensors])
+
+
+def _to_hf(entry: Entry, array: np.ndarray) -> list[np.ndarray]:
+    if entry.kind == "copy":
+        return [array]
+    if entry.kind == "transpose":
+        return [array.T]
+    return [a.T for a in array]
+
+
+def _hf_shape(entry: Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if entry.kind == "copy":
+        return shape
+    if entry.kind == "transpose":
+        return shape[::-1]
+    return shape[1:][::-1]
+
+
+def _layer_names(row: Row) -> list[list[str]]:
+    """HF names per layer (one list for an unstacked array)."""
+    prefixes = row.prefixes if row.prefixes is not None else ("",)
+    return [[prefix + n for n in row.entry.names] for prefix in prefixes]
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+
+def _read_checkpoint(path: Path) -> dict[str, np.ndarray]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        tensors.update(read_safetensors(file))
+    return tensors
+
+
+def _dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """DeepSeek's released FP8 weights: one scale per 128x128 block."""
+    rows, cols = weight.shape
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), 128, 0), 128, 1)[:rows, :cols]
+    return weight.astype(np.float32) * scale
+
+
+def _tensor(tensors: dict[str, np.ndarray], name: str, expected: tuple[int, ...]) -> np.ndarray:
+    if name not in tensors:
+        raise CheckpointMismatch(f"checkpoint has no tensor {name!r} (shape {expected} expected)")
+    value = tensors[name]
+    if tuple(value.shape) != expected:
+        raise CheckpointMismatch(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
+                                 f"the config needs {expected}")
+    if value.dtype == ml_dtypes.float8_e4m3fn:
+        scale_name = name + "_scale_inv"
+        if scale_name not in tensors:
+            raise CheckpointMismatch(f"FP8 tensor {name!r} has no {scale_name!r}")
+        value = _dequantize_fp8(value, tensors[scale_name])
+    return value
+
+
+def _has_mtp(tensors: dict[str, np.ndarray], config: ModelConfig) -> int:
+    depth = 0
+    while f"model.layers.{config.num_hidden_layers + depth}.eh_proj.weight" in tensors:
+        depth += 1
+    return depth
+
+
+def load(path: str | Path, dtype: jnp.dtype = jnp.bfloat16,
+         param_dtype: jnp.dtype = jnp.float32) -> DeepseekV3:
+    """Reads an HF DeepSeek-V3 checkpoint directory (config.json + safetensors).
+
+    The model computes in ``dtype``. MTP modules are loaded when the checkpoint has their
+    weights; a config asking for MTP layers the checkpoint lacks loads without them.
+    """
+    path = Path(path)
+    config = config_from_hf(json.loads((path / "config.json").read_text()))
+    tensors = _read_checkpoint(path)
+    depth = _has_mtp(tensors, config)
+    if depth < config.num_nextn_predict_layers:
+        warnings.warn(f"{path}: config asks for {config.num_nextn_predict_layers} MTP layers, "
+                      f"the checkpoint has weights for {depth}; loading {depth}")
+        config = config.replace(num_nextn_predict_layers=depth)
+    abstract = nnx.eval_shape(lambda: DeepseekV3(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                                  param_dtype=param_dtype))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    for row in _table(abstract):
+        target = flat[row.path]
+        layer_shape = target.shape if row.prefixes is None else target.shape[1:]
+        expected = _hf_shape(row.entry, layer_shape)
+        layers = [_from_hf(row.entry, [_tensor(tensors, n, expected) for n in names])
+                  for names in _layer_names(row)]
+        value = layers[0] if row.prefixes is None else np.stack(layers)
+        target.set_value(jnp.asarray(value, dtype=target.dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# ---------------------------------------------------------------------------------------
+# Saving
+
+
+def save(model: DeepseekV3, path: str | Path) -> None:
+    """Writes config.json and model.safetensors in the HF DeepSeek-V3 layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    tensors: dict[str, np.ndarray] = {}
+    for row in _table(model):
+        array = np.asarray(jax.device_get(flat[row.path][...]))
+        layers = [array] if row.prefixes is None else list(array)
+        for names, layer in zip(_layer_names(row), layers, strict=True):
+            tensors.update(zip(names, _to_hf(row.entry, layer), strict=True))
+    write_safetensors(path / "model.safetensors", tensors)
+    config = config_to_hf(model.config)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

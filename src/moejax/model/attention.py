@@ -1,0 +1,74 @@
+"""Multi-head Latent Attention (MLA), DeepSeek-V2/V3.
+
+Queries go through a low-rank bottleneck (or one plain projection when q_lora_rank is
+None); keys and values are rebuilt from one compressed latent of kv_lora_rank dims plus a
+single decoupled RoPE key shared by all heads. Only the latent and the RoPE key would need
+caching at inference; in training, the up-projections are cheap to recompute.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import ModelConfig
+from moejax.model.layers import Linear, RMSNorm
+from moejax.model.rope import apply_rope, softmax_scale
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype,
+                 param_dtype: jnp.dtype) -> None:
+        c = config
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, std=c.initializer_range)
+        heads = c.num_attention_heads
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(c.hidden_size, heads * c.qk_head_dim, **kw)
+        else:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, **kw)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.rms_norm_eps,
+                                         param_dtype=param_dtype)
+            self.q_b_proj = Linear(c.q_lora_rank, heads * c.qk_head_dim, **kw)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, **kw)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), **kw)
+        self.o_proj = Linear(heads * c.v_head_dim, c.hidden_size, **kw)
+        self.config = config
+
+    def _queries(self, x: jax.Array) -> jax.Array:
+        if self.config.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        c = self.config
+        batch, seq, _ = x.shape
+        heads = c.num_attention_heads
+        q = self._queries(x).reshape(batch, seq, heads, c.qk_head_dim)
+        q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+
+        latent_and_rope = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(latent_and_rope[..., :c.kv_lora_rank])
+        k_rope = latent_and_rope[..., c.kv_lora_rank:][:, :, None, :]
+        kv = self.kv_b_proj(latent).reshape(batch, seq, heads, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+
+        q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)
+        k_rope = apply_rope(k_rope, cos, sin, c.rope_interleave)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1]
+                                                      + (c.qk_rope_head_dim,))], axis=-1)
+        # jax.nn.dot_product_attention wants one head dim for q, k and v: zero-pad the
+        # narrower side (zeros change neither q.k nor p.v) and drop the padding after.
+        width = max(c.qk_head_dim, c.v_head_dim)
+        q, k, v = (_pad_last(t, width) for t in (q, k, v))
+        out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), scale=softmax_scale(c),
+                                           is_causal=True)
+        out = out[..., :c.v_head_dim].reshape(batch, seq, heads * c.v_head_dim)
+        return self.o_proj(out)
+
+
+def _pad_last(x: jax.Array, width: int) -> jax.Array:
+    extra = width - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])

@@ -1,0 +1,46 @@
+"""One transformer block: pre-norm MLA attention, then a dense MLP or a MoE FFN."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import ModelConfig
+from moejax.model.attention import MLAttention
+from moejax.model.layers import DenseMLP, RMSNorm
+from moejax.model.moe import MoE
+
+
+class BlockOutput(NamedTuple):
+    h: jax.Array
+    counts: jax.Array  # (E,) int32; zeros for a dense block
+    balance_loss: jax.Array
+
+
+class DecoderBlock(nnx.Module):
+    def __init__(self, config: ModelConfig, *, moe: bool, rngs: nnx.Rngs, dtype: jnp.dtype,
+                 param_dtype: jnp.dtype) -> None:
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.self_attn = MLAttention(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps,
+                                                param_dtype=param_dtype)
+        if moe:
+            self.mlp = MoE(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        else:
+            self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype,
+                                param_dtype=param_dtype, std=c.initializer_range)
+        self.config = config
+
+    def __call__(self, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                 bias: jax.Array | None = None) -> BlockOutput:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        normed = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, MoE):
+            out = self.mlp(normed, bias)
+            return BlockOutput(h + out.y, out.counts, out.balance_loss)
+        zeros = jnp.zeros((self.config.n_routed_experts,), jnp.int32)
+        return BlockOutput(h + self.mlp(normed), zeros, jnp.zeros((), jnp.float32))

@@ -1,0 +1,156 @@
+"""The DeepSeek-V3 decoder: embedding, stacked blocks, output head, and MTP modules.
+
+Blocks of one kind (dense, then MoE) are stacked along a leading layer axis and run with
+``jax.lax.scan``: one compiled block per kind whatever the depth, and a layer axis that a
+pipeline mesh axis can later shard. The aux-loss-free router biases of every MoE block
+(main blocks first, then the MTP blocks) live in one non-trainable (R, E) array.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import ModelConfig
+from moejax.model.decoder import BlockOutput, DecoderBlock
+from moejax.model.layers import Linear, RMSNorm
+from moejax.model.rope import rope_tables
+
+
+class RouterBias(nnx.Variable):
+    """Aux-loss-free expert-selection bias: updated from expert loads, never by gradients."""
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array  # (B, S, V) FP32; position i predicts token i+1
+    mtp_logits: tuple[jax.Array, ...]  # depth d: (B, S-d, V); position i predicts token i+d+1
+    expert_counts: jax.Array  # (R, E) int32 token copies per expert, one row per MoE block
+    aux_loss: jax.Array  # sequence-wise balance loss times config.aux_loss_alpha
+
+
+def _stacked_blocks(count: int, make: Callable[[nnx.Rngs], DecoderBlock],
+                    rngs: nnx.Rngs) -> DecoderBlock | None:
+    if count == 0:
+        return None
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(block_rngs: nnx.Rngs) -> DecoderBlock:
+        return make(block_rngs)
+
+    return create(rngs)
+
+
+def _run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array,
+               biases: jax.Array) -> BlockOutput:
+    """Scans h through the stacked blocks; returns per-block counts and balance losses."""
+    graphdef, state = nnx.split(stack)
+
+    def step(carry: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        block_state, bias = xs
+        out = nnx.merge(graphdef, block_state)(carry, cos, sin, bias)
+        return out.h, (out.counts, out.balance_loss)
+
+    h, (counts, balance) = jax.lax.scan(step, h, (state, biases))
+    return BlockOutput(h, counts, balance)
+
+
+class MTPModule(nnx.Module):
+    """Multi-token prediction depth d: combine h^{d-1}_i with Emb(t_{i+d}), one block, norm.
+
+    The embedding and the output head are the main model's (passed in at call time).
+    """
+
+    def __init__(self, config: ModelConfig, *, moe: bool, rngs: nnx.Rngs, dtype: jnp.dtype,
+                 param_dtype: jnp.dtype) -> None:
+        c = config
+        self.enorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.hnorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size, rngs=rngs, dtype=dtype,
+                              param_dtype=param_dtype, std=c.initializer_range)
+        self.block = DecoderBlock(c, moe=moe, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+
+    def __call__(self, h_prev: jax.Array, next_embeddings: jax.Array, cos: jax.Array,
+                 sin: jax.Array, bias: jax.Array | None) -> BlockOutput:
+        mixed = self.eh_proj(jnp.concatenate([self.enorm(next_embeddings), self.hnorm(h_prev)],
+                                             axis=-1))
+        return self.block(mixed, cos, sin, bias)
+
+
+class DeepseekV3(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.bfloat16,
+                 param_dtype: jnp.dtype = jnp.float32) -> None:
+        c = config
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.config = config
+        self.dtype = dtype
+        init = jax.nn.initializers.normal(c.initializer_range)
+        self.embed_tokens = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size),
+                                           param_dtype))
+        self.dense_blocks = _stacked_blocks(
+            c.first_k_dense_replace, lambda r: DecoderBlock(c, moe=False, rngs=r, **kw), rngs)
+        self.moe_blocks = _stacked_blocks(
+            c.num_moe_layers, lambda r: DecoderBlock(c, moe=True, rngs=r, **kw), rngs)
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = (None if c.tie_word_embeddings else
+                        Linear(c.hidden_size, c.vocab_size, rngs=rngs,
+                               std=c.initializer_range, **kw))
+        mtp_moe = c.num_moe_layers > 0
+        self.mtp = nnx.List([MTPModule(c, moe=mtp_moe, rngs=rngs, **kw)
+                             for _ in range(c.num_nextn_predict_layers)])
+        router_rows = c.num_moe_layers + (c.num_nextn_predict_layers if mtp_moe else 0)
+        self.router_bias = RouterBias(jnp.zeros((router_rows, c.n_routed_experts), jnp.float32))
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """The shared output head on already-normalised h: FP32 logits."""
+        if self.lm_head is None:
+            return jnp.dot(h, self.embed_tokens[...].astype(h.dtype).T,
+                           preferred_element_type=jnp.float32)
+        return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype),
+                       preferred_element_type=jnp.float32)
+
+    def forward(self, input_ids: jax.Array) -> ModelOutput:
+        c = self.config
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {input_ids.shape}")
+        seq = input_ids.shape[1]
+        cos, sin = rope_tables(c, jnp.arange(seq)[None, :])
+        h = self.embed(input_ids)
+        biases = self.router_bias[...]
+        counts, balance = [], []
+        if self.dense_blocks is not None:
+            no_bias = jnp.zeros((c.first_k_dense_replace, c.n_routed_experts), jnp.float32)
+            h = _run_stack(self.dense_blocks, h, cos, sin, no_bias).h
+        if self.moe_blocks is not None:
+            out = _run_stack(self.moe_blocks, h, cos, sin, biases[:c.num_moe_layers])
+            h = out.h
+            counts.append(out.counts)
+            balance.append(out.balance_loss)
+        logits = self.head(self.norm(h))
+
+        mtp_logits = []
+        for depth, module in enumerate(self.mtp, start=1):
+            row = c.num_moe_layers + depth - 1
+            bias = biases[row] if row < biases.shape[0] else None
+            out = module(h[:, :seq - depth], self.embed(input_ids[:, depth:]),
+                         cos[:, :seq - depth], sin[:, :seq - depth], bias)
+            h = out.h
+            mtp_logits.append(self.head(module.norm(h)))
+            if bias is not None:
+                counts.append(out.counts[None])
+                balance.append(out.balance_loss[None])
+        expert_counts = (jnp.concatenate(counts) if counts
+                         else jnp.zeros((0, c.n_routed_experts), jnp.int32))
+        aux = (c.aux_loss_alpha * jnp.concatenate(balance).sum() if balance
+               else jnp.zeros((), jnp.float32))
+        return ModelOutput(logits, tuple(mtp_logits), expert_counts, aux)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        return self.forward(input_ids).logits

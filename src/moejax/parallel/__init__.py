@@ -1,0 +1,1 @@
+"""Parallelism: device meshes, sharding rules, expert and pipeline parallelism."""

@@ -1,0 +1,105 @@
+"""Model structure: MTP shares embedding and head, stacked layers, dtypes, config checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.config import ConfigError, ModelConfig, get_model_preset
+from moejax.model import DeepseekV3, RouterBias
+
+TINY = get_model_preset("tiny").replace(num_hidden_layers=3, num_nextn_predict_layers=2,
+                                        vocab_size=263)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DeepseekV3(TINY, rngs=nnx.Rngs(0), dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return jax.random.randint(jax.random.key(1), (2, 12), 0, TINY.vocab_size)
+
+
+def test_mtp_shares_one_embedding_and_one_head(model):
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    vocab_sized = [path for path, v in params if TINY.vocab_size in v.shape]
+    assert sorted(vocab_sized) == [("embed_tokens",), ("lm_head", "kernel")]
+    mtp_paths = [path for path, _ in params if path[0] == "mtp"]
+    assert mtp_paths and not any("embed" in str(p) or "lm_head" in str(p) for p in mtp_paths)
+
+
+def test_mtp_uses_the_shared_embedding_and_head(model, ids):
+    """Zeroing the head's gradient path: d(mtp logits)/d(lm_head, embedding) is non-zero."""
+    def mtp_loss(m):
+        return sum(jnp.sum(x ** 2) for x in m.forward(ids).mtp_logits)
+
+    grads = nnx.jit(nnx.grad(mtp_loss))(model)
+    assert float(jnp.abs(grads.lm_head.kernel[...]).max()) > 0
+    # Only the tokens that MTP embeds (input positions >= 1) get embedding gradient from it.
+    assert float(jnp.abs(grads.embed_tokens[...][ids[:, 1:].ravel()]).max()) > 0
+
+
+def test_output_shapes_and_counts(model, ids):
+    out = nnx.jit(lambda m, x: m.forward(x))(model, ids)
+    batch, seq = ids.shape
+    assert out.logits.shape == (batch, seq, TINY.vocab_size) and out.logits.dtype == jnp.float32
+    assert [x.shape for x in out.mtp_logits] == [(batch, seq - d, TINY.vocab_size)
+                                                 for d in (1, 2)]
+    rows = TINY.num_moe_layers + TINY.num_nextn_predict_layers
+    assert out.expert_counts.shape == (rows, TINY.n_routed_experts)
+    k = TINY.num_experts_per_tok
+    expected_tokens = [batch * seq * k] * TINY.num_moe_layers + [batch * (seq - d) * k
+                                                                 for d in (1, 2)]
+    assert out.expert_counts.sum(1).tolist() == expected_tokens
+    assert float(out.aux_loss) > 0
+
+
+def test_layers_are_stacked_for_scan(model):
+    kernel = model.moe_blocks.self_attn.o_proj.kernel
+    assert kernel.shape[0] == TINY.num_moe_layers
+    assert model.dense_blocks.mlp.gate_proj.kernel.shape[0] == TINY.first_k_dense_replace
+    assert nnx.state(model, RouterBias).router_bias.shape == (
+        TINY.num_moe_layers + TINY.num_nextn_predict_layers, TINY.n_routed_experts)
+
+
+def test_bf16_compute_keeps_fp32_params_and_tracks_fp32(ids):
+    bf16 = DeepseekV3(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    fp32 = DeepseekV3(TINY, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    dtypes = {v.dtype for _, v in nnx.to_flat_state(nnx.state(bf16, nnx.Param))}
+    assert dtypes == {jnp.dtype(jnp.float32)}
+    logits = nnx.jit(lambda m, x: m(x))
+    a, b = np.asarray(logits(bf16, ids)), np.asarray(logits(fp32, ids))
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-2
+
+
+def test_rejects_bad_input_ids(model):
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, seq\)"):
+        model.forward(jnp.zeros((4,), jnp.int32))
+
+
+BASE = get_model_preset("tiny")
+
+
+@pytest.mark.parametrize("changes,field,rule", [
+    (dict(n_routed_experts=15), "n_routed_experts=15", "divisible by n_group=4"),
+    (dict(topk_group=5), "topk_group=5", "<= n_group=4"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9", "the 8 experts"),
+    (dict(qk_rope_head_dim=15), "qk_rope_head_dim=15", "even"),
+    (dict(hidden_size=0), "hidden_size=0", "positive integer"),
+    (dict(first_k_dense_replace=9), "first_k_dense_replace=9", "num_hidden_layers=4"),
+    (dict(q_lora_rank=-1), "q_lora_rank=-1", "positive integer or None"),
+    (dict(n_group=16, topk_group=1, num_experts_per_tok=1), "n_group=16", ">= 2 experts"),
+])
+def test_config_validation_names_field_value_rule(changes, field, rule):
+    with pytest.raises(ConfigError) as err:
+        BASE.replace(**changes)
+    assert field in str(err.value) and rule in str(err.value)
+
+
+def test_config_from_dict_rejects_unknown_keys():
+    with pytest.raises(ConfigError, match="hidden_sise"):
+        ModelConfig.from_dict({**BASE.to_dict(), "hidden_sise": 3})
+    assert ModelConfig.from_dict(BASE.to_dict()) == BASE
