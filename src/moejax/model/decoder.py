@@ -18,6 +18,7 @@ class BlockOutput(NamedTuple):
     h: jax.Array
     counts: jax.Array  # (E,) int32; zeros for a dense block
     balance_loss: jax.Array
+    dropped: jax.Array  # int32 token copies dropped by a capacity limit
 
 
 class DecoderBlock(nnx.Module):
@@ -41,6 +42,7 @@ class DecoderBlock(nnx.Module):
         normed = self.post_attention_layernorm(h)
         if isinstance(self.mlp, MoE):
             out = self.mlp(normed, bias)
-            return BlockOutput(h + out.y, out.counts, out.balance_loss)
+            return BlockOutput(h + out.y, out.counts, out.balance_loss, out.dropped)
         zeros = jnp.zeros((self.config.n_routed_experts,), jnp.int32)
-        return BlockOutput(h + self.mlp(normed), zeros, jnp.zeros((), jnp.float32))
+        return BlockOutput(h + self.mlp(normed), zeros, jnp.zeros((), jnp.float32),
+                           jnp.zeros((), jnp.int32))

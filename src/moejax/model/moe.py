@@ -1,7 +1,9 @@
 """DeepSeekMoE: shared experts plus fine-grained routed SwiGLU experts.
 
 The router runs in FP32. Routed experts' weights are stacked (E, ...) so the expert FFN
-is three grouped matmuls over expert-sorted tokens (``jax.lax.ragged_dot``), dropless.
+is three grouped matmuls over expert-sorted tokens, dropless on one device. Traced under a
+mesh whose ``expert`` axis has more than one device, the routed part runs expert-parallel
+(``moejax.parallel.expert``).
 """
 
 from __future__ import annotations
@@ -14,26 +16,32 @@ from flax import nnx
 
 from moejax.config import ModelConfig
 from moejax.model.dispatch import combine, dispatch
-from moejax.model.layers import DenseMLP, swiglu
+from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
+from moejax.model.layers import DenseMLP
 from moejax.model.routing import route, sequence_balance_loss
+from moejax.parallel.expert import expert_axis_size, expert_parallel_moe
 
 
 class MoEOutput(NamedTuple):
     y: jax.Array  # (B, S, H)
-    counts: jax.Array  # (E,) int32 token copies per expert
+    counts: jax.Array  # (E,) int32 token copies per expert (global under a mesh)
     balance_loss: jax.Array  # unweighted sequence-wise balance loss
+    dropped: jax.Array  # int32 token copies dropped by a capacity limit (0 when dropless)
 
 
-def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, gate: jax.Array, up: jax.Array,
-                   down: jax.Array) -> jax.Array:
-    """Expert FFN over expert-sorted rows: down_g(silu(x gate_g) * (x up_g)) for each group g."""
-
-    def grouped(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        out = jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes,
-                                 preferred_element_type=jnp.float32)
-        return out.astype(lhs.dtype)
-
-    return grouped(swiglu(grouped(x, gate), grouped(x, up)), down)
+def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
+                         weights: ExpertWeights, config: ModelConfig) -> MoEOutput:
+    """Single-device routed experts: route, sort by expert, grouped FFN, un-sort, combine."""
+    batch, seq, hidden = x.shape
+    flat = x.reshape(batch * seq, hidden)
+    logits = jnp.dot(flat.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+    routing = route(logits, bias, config)
+    sent = dispatch(flat, routing.experts, config.n_routed_experts)
+    y_sorted = grouped_swiglu(sent.tokens, sent.group_sizes, weights)
+    y = combine(y_sorted, sent.order, routing.weights).reshape(batch, seq, hidden)
+    balance = (sequence_balance_loss(routing.scores, routing.experts, batch, config)
+               if config.aux_loss_alpha else jnp.zeros((), jnp.float32))
+    return MoEOutput(y, sent.group_sizes, balance, jnp.zeros((), jnp.int32))
 
 
 class MoE(nnx.Module):
@@ -51,21 +59,11 @@ class MoE(nnx.Module):
                                         param_dtype=param_dtype, std=c.initializer_range)
                                if c.n_shared_experts else None)
         self.config = config
-        self.dtype = dtype
 
     def __call__(self, x: jax.Array, bias: jax.Array) -> MoEOutput:
-        c = self.config
-        batch, seq, hidden = x.shape
-        flat = x.reshape(batch * seq, hidden)
-        logits = jnp.dot(flat.astype(jnp.float32), self.router[...],
-                         precision=jax.lax.Precision.HIGHEST)
-        routing = route(logits, bias, c)
-        sent = dispatch(flat, routing.experts, c.n_routed_experts)
-        y_sorted = grouped_swiglu(sent.tokens, sent.group_sizes, self.gate_proj[...],
-                                  self.up_proj[...], self.down_proj[...])
-        y = combine(y_sorted, sent.order, routing.weights).reshape(batch, seq, hidden)
+        weights = ExpertWeights(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        routed = (expert_parallel_moe if expert_axis_size() > 1 else routed_experts_local)
+        out = routed(x, self.router[...], bias, weights, self.config)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        balance = (sequence_balance_loss(routing.scores, routing.experts, batch, c)
-                   if c.aux_loss_alpha else jnp.zeros((), jnp.float32))
-        return MoEOutput(y, sent.group_sizes, balance)
+            out = out._replace(y=out.y + self.shared_experts(x))
+        return MoEOutput(*out)

@@ -29,6 +29,7 @@ class ModelOutput(NamedTuple):
     mtp_logits: tuple[jax.Array, ...]  # depth d: (B, S-d, V); position i predicts token i+d+1
     expert_counts: jax.Array  # (R, E) int32 token copies per expert, one row per MoE block
     aux_loss: jax.Array  # sequence-wise balance loss times config.aux_loss_alpha
+    dropped_tokens: jax.Array  # int32 token copies dropped by an expert capacity limit
 
 
 def _stacked_blocks(count: int, make: Callable[[nnx.Rngs], DecoderBlock],
@@ -49,13 +50,13 @@ def _run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array
     """Scans h through the stacked blocks; returns per-block counts and balance losses."""
     graphdef, state = nnx.split(stack)
 
-    def step(carry: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def step(carry: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         block_state, bias = xs
         out = nnx.merge(graphdef, block_state)(carry, cos, sin, bias)
-        return out.h, (out.counts, out.balance_loss)
+        return out.h, out[1:]
 
-    h, (counts, balance) = jax.lax.scan(step, h, (state, biases))
-    return BlockOutput(h, counts, balance)
+    h, per_block = jax.lax.scan(step, h, (state, biases))
+    return BlockOutput(h, *per_block)
 
 
 class MTPModule(nnx.Module):
@@ -124,7 +125,7 @@ class DeepseekV3(nnx.Module):
         cos, sin = rope_tables(c, jnp.arange(seq)[None, :])
         h = self.embed(input_ids)
         biases = self.router_bias[...]
-        counts, balance = [], []
+        counts, balance, dropped = [], [], []
         if self.dense_blocks is not None:
             no_bias = jnp.zeros((c.first_k_dense_replace, c.n_routed_experts), jnp.float32)
             h = _run_stack(self.dense_blocks, h, cos, sin, no_bias).h
@@ -133,6 +134,7 @@ class DeepseekV3(nnx.Module):
             h = out.h
             counts.append(out.counts)
             balance.append(out.balance_loss)
+            dropped.append(out.dropped)
         logits = self.head(self.norm(h))
 
         mtp_logits = []
@@ -146,11 +148,14 @@ class DeepseekV3(nnx.Module):
             if bias is not None:
                 counts.append(out.counts[None])
                 balance.append(out.balance_loss[None])
+                dropped.append(out.dropped[None])
         expert_counts = (jnp.concatenate(counts) if counts
                          else jnp.zeros((0, c.n_routed_experts), jnp.int32))
         aux = (c.aux_loss_alpha * jnp.concatenate(balance).sum() if balance
                else jnp.zeros((), jnp.float32))
-        return ModelOutput(logits, tuple(mtp_logits), expert_counts, aux)
+        dropped_tokens = (jnp.concatenate(dropped).sum() if dropped
+                          else jnp.zeros((), jnp.int32))
+        return ModelOutput(logits, tuple(mtp_logits), expert_counts, aux, dropped_tokens)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         return self.forward(input_ids).logits
