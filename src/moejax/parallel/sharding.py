@@ -1,0 +1,92 @@
+"""Logical-axis sharding rules: one table from parameter names to logical axes, one from
+logical axes to mesh axes.
+
+Parameters are named by what their dims mean ('embed', 'expert', 'mlp', ...); the rules
+say which mesh axis (if any) each meaning is split over. ZeRO-3 splits parameters and
+optimizer state over ``data`` (XLA gathers each layer's weights inside the scan when it
+needs them); ZeRO-1 keeps parameters replicated over ``data`` and splits only the optimizer
+state. Experts are split over ``expert`` either way. A dim that the mesh axis does not
+divide stays whole rather than failing.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# Parameter path (dotted, without the stacked-layer axis) -> logical axes of its dims.
+PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"embed_tokens$", ("vocab", "embed")),
+    (r"lm_head\.kernel$", ("embed", "vocab")),
+    (r"router_bias$", (None, None)),
+    (r"mlp\.router$", ("embed", None)),
+    (r"mlp\.(gate|up)_proj$", ("expert", "embed", "mlp")),
+    (r"mlp\.down_proj$", ("expert", "mlp", "embed")),
+    (r"(gate|up)_proj\.kernel$", ("embed", "mlp")),
+    (r"down_proj\.kernel$", ("mlp", "embed")),
+    (r"(q_b_proj|kv_b_proj)\.kernel$", (None, "heads")),
+    (r"o_proj\.kernel$", ("heads", "embed")),
+    (r"(q_proj|q_a_proj|kv_a_proj_with_mqa)\.kernel$", ("embed", None)),
+    (r"eh_proj\.kernel$", (None, "embed")),
+    (r"weight$", (None,)),  # norms
+)
+
+STACKED = ("dense_blocks", "moe_blocks")  # top-level attributes with a leading layer axis
+BATCH = ("data", "expert")  # dense activations: batch over data x expert
+
+ZeroStage = Literal[1, 3]
+
+
+def logical_to_mesh(zero: ZeroStage) -> dict[str, str | None]:
+    """Where each logical axis goes: the rules table for parameters."""
+    return {
+        "embed": "data" if zero == 3 else None,
+        "expert": "expert",
+        "vocab": "tensor",
+        "mlp": "tensor",
+        "heads": "tensor",
+        "layers": None,  # the pipeline executor owns the layer axis
+    }
+
+
+def param_logical_axes(path: tuple[Any, ...], ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of the parameter at ``path`` (an nnx state path)."""
+    dotted = ".".join(str(p) for p in path)
+    stacked = path[0] in STACKED
+    for pattern, axes in PARAM_AXES:
+        if re.search(pattern, dotted):
+            axes = (("layers",) + axes) if stacked else axes
+            if len(axes) != ndim:
+                raise ValueError(f"sharding rule {pattern!r} gives {len(axes)} axes for "
+                                 f"{dotted!r}, which has {ndim} dims")
+            return axes
+    raise ValueError(f"no sharding rule matches parameter {dotted!r}; add one to PARAM_AXES")
+
+
+def _spec(shape: tuple[int, ...], axes: tuple[str | None, ...], rules: dict[str, str | None],
+          mesh: Mesh) -> P:
+    sizes = dict(mesh.shape)
+    out = []
+    for dim, axis in zip(shape, axes):
+        mesh_axis = rules.get(axis) if axis else None
+        ok = mesh_axis is not None and sizes.get(mesh_axis, 1) > 1 and dim % sizes[mesh_axis] == 0
+        out.append(mesh_axis if ok else None)
+    return P(*out)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, zero: ZeroStage = 3) -> nnx.State:
+    """NamedShardings for every array of a model state (params, biases, ...)."""
+    rules = logical_to_mesh(zero)
+    flat = [(path, NamedSharding(mesh, _spec(v.shape, param_logical_axes(path, v.ndim), rules,
+                                                 mesh)))
+            for path, v in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Token batches: the batch dim over data x expert."""
+    return NamedSharding(mesh, P(BATCH))

@@ -1,0 +1,71 @@
+"""Mesh parsing/building and the logical-axis sharding rules."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from moejax.config import ConfigError, get_model_preset
+from moejax.model import DeepseekV3
+from moejax.parallel.mesh import AXES, MeshSpec, build_mesh, expert_axis_nodes
+from moejax.parallel.sharding import param_logical_axes, state_shardings
+
+
+def test_parse_and_build():
+    spec = MeshSpec.parse("data=2, expert=4")
+    assert spec.shape == (1, 2, 4, 1) and str(spec) == "pipe=1,data=2,expert=4,tensor=1"
+    mesh = build_mesh(spec)
+    assert mesh.axis_names == AXES and dict(mesh.shape)["expert"] == 4
+    # innermost axis varies fastest: consecutive device ids along expert
+    assert [d.id for d in mesh.devices[0, 0, :, 0]] == [0, 1, 2, 3]
+    assert expert_axis_nodes(mesh) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("data=2,expert=2", "multiply to 4, but there are 8 devices"),
+    ("data=2,cores=4", "'cores=4' must be AXIS=N"),
+    ("data=two", "data='two' is not an integer"),
+    ("data=0,expert=8", "data=0: must be a positive integer"),
+    ("data=2,data=4", "axis 'data' given twice"),
+])
+def test_bad_mesh_specs_are_named(text, needle):
+    with pytest.raises(ConfigError, match=needle):
+        build_mesh(MeshSpec.parse(text))
+
+
+def test_every_parameter_has_a_rule_and_experts_shard_over_expert():
+    config = get_model_preset("tiny").replace(num_hidden_layers=2)
+    model = nnx.eval_shape(lambda: DeepseekV3(config, rngs=nnx.Rngs(0)))
+    for path, value in nnx.to_flat_state(nnx.state(model)):
+        assert len(param_logical_axes(path, value.ndim)) == value.ndim
+    mesh = build_mesh(MeshSpec(data=2, expert=4))
+    shardings = state_shardings(nnx.state(model), mesh, zero=3)
+    assert shardings.moe_blocks.mlp.gate_proj.spec == P(None, "expert", "data", None)
+    assert shardings.embed_tokens.spec == P(None, "data")
+    assert shardings.router_bias.spec == P(None, None)
+    zero1 = state_shardings(nnx.state(model), mesh, zero=1)
+    assert zero1.moe_blocks.mlp.gate_proj.spec == P(None, "expert", None, None)
+    assert zero1.embed_tokens.spec == P(None, None)
+
+
+def test_indivisible_dims_stay_whole():
+    config = get_model_preset("tiny").replace(num_hidden_layers=2, hidden_size=132,
+                                              vocab_size=259)
+    model = nnx.eval_shape(lambda: DeepseekV3(config, rngs=nnx.Rngs(0)))
+    shardings = state_shardings(nnx.state(model), build_mesh(MeshSpec(data=8)), zero=3)
+    assert shardings.embed_tokens.spec == P(None, None)  # 132 % 8 != 0
+
+
+def test_sharded_params_give_the_same_logits():
+    config = get_model_preset("tiny").replace(num_hidden_layers=2)
+    model = DeepseekV3(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    ids = jax.random.randint(jax.random.key(0), (8, 8), 0, config.vocab_size)
+    forward = nnx.jit(lambda m, x: m(x))
+    ref = forward(model, ids)
+    mesh = build_mesh(MeshSpec(data=2, expert=4))
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, state_shardings(state, mesh))
+    with jax.set_mesh(mesh):
+        got = forward(nnx.merge(graphdef, state), ids)
+    assert jnp.allclose(got, ref, rtol=1e-4, atol=1e-5)
