@@ -10,6 +10,7 @@ from jax.sharding import AxisType
 from moejax.config import get_model_preset
 from moejax.model import DeepseekV3
 from moejax.model.moe import MoE
+from moejax.model.routing import route
 from moejax.parallel.expert import ExpertParallelOptions, expert_parallel_options
 
 CONFIG = get_model_preset("tiny")
@@ -41,9 +42,9 @@ def test_padded_dropless_matches_single_device(moe, axes):
     with jax.set_mesh(_mesh(**axes)):
         got = _call(moe, x, bias)
     np.testing.assert_allclose(got.y, ref.y, rtol=2e-5, atol=2e-6)
-    np.testing.assert_array_equal(got.counts, ref.counts)
-    np.testing.assert_allclose(got.balance_loss, ref.balance_loss, rtol=1e-5)
-    assert int(got.dropped) == 0
+    np.testing.assert_array_equal(got.stats.counts, ref.stats.counts)
+    np.testing.assert_allclose(got.stats.balance_loss, ref.stats.balance_loss, rtol=1e-5)
+    assert int(got.stats.dropped) == 0
 
 
 def test_capacity_factor_drops_and_counts(moe):
@@ -54,9 +55,27 @@ def test_capacity_factor_drops_and_counts(moe):
             ExpertParallelOptions(capacity_factor=1.0)):
         got = _call(moe, x, bias)
     ref = _call(moe, x, bias)
-    assert int(got.dropped) > 0
-    np.testing.assert_array_equal(got.counts, ref.counts)  # counts are routed, before drops
+    assert int(got.stats.dropped) > 0
+    # counts are what the router chose, before drops
+    np.testing.assert_array_equal(got.stats.counts, ref.stats.counts)
     assert not np.allclose(got.y, ref.y)
+
+
+def test_cross_node_copies_counted_and_capped_by_group_limit(moe):
+    """8 devices, 2 per node: expert shards 0-1, 2-3, ... share a node; with 16 experts in 4
+    groups each routing group is exactly one node's experts, so topk_group=2 caps the nodes
+    a token reaches at 2."""
+    x, bias = _inputs(11)
+    with jax.set_mesh(_mesh(expert=8)), expert_parallel_options(
+            ExpertParallelOptions(devices_per_node=2)):
+        got = _call(moe, x, bias)
+    flat = x.reshape(-1, CONFIG.hidden_size)
+    r = route(flat @ moe.router[...], bias, CONFIG)
+    experts_per_node = CONFIG.n_routed_experts // 4
+    expert_node = np.asarray(r.experts) // experts_per_node  # (T, k)
+    token_node = np.repeat(np.arange(8) // 2, flat.shape[0] // 8)  # the sender's node
+    assert int(got.stats.cross_node) == int((expert_node != token_node[:, None]).sum())
+    assert max(len(set(row)) for row in expert_node) <= CONFIG.topk_group
 
 
 def test_model_forward_and_grads_under_mesh_match():

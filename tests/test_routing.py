@@ -99,7 +99,7 @@ def test_moe_layer_matches_per_token_reference():
                   sh.down_proj.kernel[...], np.float64)
     got = np.asarray(out.y, np.float64).reshape(flat.shape)
     assert np.linalg.norm(got - expected - shared) / np.linalg.norm(expected + shared) < 1e-5
-    np.testing.assert_array_equal(out.counts, np.bincount(np.asarray(r.experts).ravel(),
+    np.testing.assert_array_equal(out.stats.counts, np.bincount(np.asarray(r.experts).ravel(),
                                                           minlength=CONFIG.n_routed_experts))
 
 

@@ -12,13 +12,12 @@ from moejax.config import ModelConfig
 from moejax.model.attention import MLAttention
 from moejax.model.layers import DenseMLP, RMSNorm
 from moejax.model.moe import MoE
+from moejax.model.routing import RoutingStats
 
 
 class BlockOutput(NamedTuple):
     h: jax.Array
-    counts: jax.Array  # (E,) int32; zeros for a dense block
-    balance_loss: jax.Array
-    dropped: jax.Array  # int32 token copies dropped by a capacity limit
+    stats: RoutingStats  # zeros for a dense block
 
 
 class DecoderBlock(nnx.Module):
@@ -42,7 +41,5 @@ class DecoderBlock(nnx.Module):
         normed = self.post_attention_layernorm(h)
         if isinstance(self.mlp, MoE):
             out = self.mlp(normed, bias)
-            return BlockOutput(h + out.y, out.counts, out.balance_loss, out.dropped)
-        zeros = jnp.zeros((self.config.n_routed_experts,), jnp.int32)
-        return BlockOutput(h + self.mlp(normed), zeros, jnp.zeros((), jnp.float32),
-                           jnp.zeros((), jnp.int32))
+            return BlockOutput(h + out.y, out.stats)
+        return BlockOutput(h + self.mlp(normed), RoutingStats.zeros(self.config.n_routed_experts))

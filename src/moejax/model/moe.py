@@ -18,15 +18,13 @@ from moejax.config import ModelConfig
 from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.layers import DenseMLP
-from moejax.model.routing import route, sequence_balance_loss
+from moejax.model.routing import RoutingStats, route, sequence_balance_loss
 from moejax.parallel.expert import expert_axis_size, expert_parallel_moe
 
 
 class MoEOutput(NamedTuple):
     y: jax.Array  # (B, S, H)
-    counts: jax.Array  # (E,) int32 token copies per expert (global under a mesh)
-    balance_loss: jax.Array  # unweighted sequence-wise balance loss
-    dropped: jax.Array  # int32 token copies dropped by a capacity limit (0 when dropless)
+    stats: RoutingStats
 
 
 def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
@@ -41,7 +39,8 @@ def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
     y = combine(y_sorted, sent.order, routing.weights).reshape(batch, seq, hidden)
     balance = (sequence_balance_loss(routing.scores, routing.experts, batch, config)
                if config.aux_loss_alpha else jnp.zeros((), jnp.float32))
-    return MoEOutput(y, sent.group_sizes, balance, jnp.zeros((), jnp.int32))
+    no_copies = jnp.zeros((), jnp.int32)
+    return MoEOutput(y, RoutingStats(sent.group_sizes, balance, no_copies, no_copies))
 
 
 class MoE(nnx.Module):
@@ -63,7 +62,7 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, bias: jax.Array) -> MoEOutput:
         weights = ExpertWeights(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         routed = (expert_parallel_moe if expert_axis_size() > 1 else routed_experts_local)
-        out = routed(x, self.router[...], bias, weights, self.config)
+        y, stats = routed(x, self.router[...], bias, weights, self.config)
         if self.shared_experts is not None:
-            out = out._replace(y=out.y + self.shared_experts(x))
-        return MoEOutput(*out)
+            y = y + self.shared_experts(x)
+        return MoEOutput(y, stats)

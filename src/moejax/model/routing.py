@@ -17,6 +17,21 @@ import jax.numpy as jnp
 from moejax.config import ModelConfig
 
 
+class RoutingStats(NamedTuple):
+    """What one MoE layer reports about its routing (global under a mesh)."""
+
+    counts: jax.Array  # (E,) int32 token copies routed to each expert
+    balance_loss: jax.Array  # unweighted sequence-wise balance loss
+    dropped: jax.Array  # int32 copies dropped by an expert capacity limit (0 when dropless)
+    cross_node: jax.Array  # int32 copies sent to an expert on another node
+
+    @classmethod
+    def zeros(cls, num_experts: int) -> "RoutingStats":
+        scalar = jnp.zeros((), jnp.int32)
+        return cls(jnp.zeros((num_experts,), jnp.int32), jnp.zeros((), jnp.float32), scalar,
+                   scalar)
+
+
 class Routing(NamedTuple):
     weights: jax.Array  # (T, k) FP32 combine weights
     experts: jax.Array  # (T, k) int32 chosen experts

@@ -18,6 +18,7 @@ from moejax.config import ModelConfig
 from moejax.model.decoder import BlockOutput, DecoderBlock
 from moejax.model.layers import Linear, RMSNorm
 from moejax.model.rope import rope_tables
+from moejax.model.routing import RoutingStats
 
 
 class RouterBias(nnx.Variable):
@@ -30,6 +31,7 @@ class ModelOutput(NamedTuple):
     expert_counts: jax.Array  # (R, E) int32 token copies per expert, one row per MoE block
     aux_loss: jax.Array  # sequence-wise balance loss times config.aux_loss_alpha
     dropped_tokens: jax.Array  # int32 token copies dropped by an expert capacity limit
+    cross_node_tokens: jax.Array  # int32 token copies sent to an expert on another node
 
 
 def _stacked_blocks(count: int, make: Callable[[nnx.Rngs], DecoderBlock],
@@ -50,13 +52,13 @@ def _run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array
     """Scans h through the stacked blocks; returns per-block counts and balance losses."""
     graphdef, state = nnx.split(stack)
 
-    def step(carry: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    def step(carry: jax.Array, xs: tuple) -> tuple[jax.Array, RoutingStats]:
         block_state, bias = xs
         out = nnx.merge(graphdef, block_state)(carry, cos, sin, bias)
-        return out.h, out[1:]
+        return out.h, out.stats
 
     h, per_block = jax.lax.scan(step, h, (state, biases))
-    return BlockOutput(h, *per_block)
+    return BlockOutput(h, per_block)
 
 
 class MTPModule(nnx.Module):
@@ -125,37 +127,31 @@ class DeepseekV3(nnx.Module):
         cos, sin = rope_tables(c, jnp.arange(seq)[None, :])
         h = self.embed(input_ids)
         biases = self.router_bias[...]
-        counts, balance, dropped = [], [], []
+        rows: list[RoutingStats] = []  # per MoE block, each with a leading block axis
         if self.dense_blocks is not None:
             no_bias = jnp.zeros((c.first_k_dense_replace, c.n_routed_experts), jnp.float32)
             h = _run_stack(self.dense_blocks, h, cos, sin, no_bias).h
         if self.moe_blocks is not None:
-            out = _run_stack(self.moe_blocks, h, cos, sin, biases[:c.num_moe_layers])
-            h = out.h
-            counts.append(out.counts)
-            balance.append(out.balance_loss)
-            dropped.append(out.dropped)
+            h, stats = _run_stack(self.moe_blocks, h, cos, sin, biases[:c.num_moe_layers])
+            rows.append(stats)
         logits = self.head(self.norm(h))
 
         mtp_logits = []
         for depth, module in enumerate(self.mtp, start=1):
             row = c.num_moe_layers + depth - 1
             bias = biases[row] if row < biases.shape[0] else None
-            out = module(h[:, :seq - depth], self.embed(input_ids[:, depth:]),
-                         cos[:, :seq - depth], sin[:, :seq - depth], bias)
-            h = out.h
+            h, stats = module(h[:, :seq - depth], self.embed(input_ids[:, depth:]),
+                              cos[:, :seq - depth], sin[:, :seq - depth], bias)
             mtp_logits.append(self.head(module.norm(h)))
             if bias is not None:
-                counts.append(out.counts[None])
-                balance.append(out.balance_loss[None])
-                dropped.append(out.dropped[None])
-        expert_counts = (jnp.concatenate(counts) if counts
-                         else jnp.zeros((0, c.n_routed_experts), jnp.int32))
-        aux = (c.aux_loss_alpha * jnp.concatenate(balance).sum() if balance
-               else jnp.zeros((), jnp.float32))
-        dropped_tokens = (jnp.concatenate(dropped).sum() if dropped
-                          else jnp.zeros((), jnp.int32))
-        return ModelOutput(logits, tuple(mtp_logits), expert_counts, aux, dropped_tokens)
+                rows.append(jax.tree.map(lambda x: x[None], stats))
+        if not rows:
+            rows.append(jax.tree.map(lambda x: x[None][:0],
+                                     RoutingStats.zeros(c.n_routed_experts)))
+        stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *rows)
+        return ModelOutput(logits, tuple(mtp_logits), stats.counts,
+                           c.aux_loss_alpha * stats.balance_loss.sum(), stats.dropped.sum(),
+                           stats.cross_node.sum())
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         return self.forward(input_ids).logits

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from typing import Iterator, NamedTuple
 
@@ -28,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import combine
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
-from moejax.model.routing import route, sequence_balance_loss
+from moejax.model.routing import RoutingStats, route, sequence_balance_loss
 
 EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", EXPERT_AXIS)  # mesh axes the token batch is sharded over
@@ -39,12 +40,16 @@ TRANSPORTS = ("auto", "padded", "ragged")
 class ExpertParallelOptions:
     transport: str = "auto"  # auto: ragged on GPU/TPU, padded on CPU
     capacity_factor: float | None = None  # None: dropless
+    # Devices per node for the cross-node traffic count; None: devices per process.
+    devices_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport={self.transport!r}: must be one of {TRANSPORTS}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(f"capacity_factor={self.capacity_factor!r}: must be > 0 or None")
+        if self.devices_per_node is not None and self.devices_per_node < 1:
+            raise ConfigError(f"devices_per_node={self.devices_per_node!r}: must be >= 1 or None")
 
     def resolved_transport(self) -> str:
         if self.capacity_factor is not None:
@@ -76,13 +81,6 @@ def expert_axis_size() -> int:
     """Size of the ``expert`` axis of the mesh being traced under (1 if none)."""
     mesh = jax.sharding.get_abstract_mesh()
     return dict(mesh.shape).get(EXPERT_AXIS, 1) if mesh.axis_names else 1
-
-
-class ExpertParallelOutput(NamedTuple):
-    y: jax.Array  # (B, S, H) routed experts' combined output
-    counts: jax.Array  # (E,) int32 global token copies per expert
-    balance_loss: jax.Array  # unweighted sequence-wise balance loss, global mean
-    dropped: jax.Array  # int32 token copies dropped by the capacity limit, global
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
@@ -158,9 +156,24 @@ def _local_experts(tokens: jax.Array, ids: jax.Array, num_local: int,
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
 
 
+def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
+                             devices_per_node: int) -> jax.Array:
+    """Node of the device at ``position`` along ``expert`` and this device's other coordinates.
+
+    Devices are laid out row-major over the mesh axes (``moejax.parallel.mesh``), one node's
+    devices contiguous.
+    """
+    flat = jnp.zeros((), jnp.int32)
+    for axis, size in mesh_shape.items():
+        index = position if axis == EXPERT_AXIS else jax.lax.axis_index(axis)
+        flat = flat * size + index
+    return flat // devices_per_node
+
+
 def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: ExpertWeights, *,
                 config: ModelConfig, ep: int, batch_axes: tuple[str, ...],
-                options: ExpertParallelOptions) -> ExpertParallelOutput:
+                mesh_shape: dict[str, int], options: ExpertParallelOptions,
+                devices_per_node: int) -> tuple[jax.Array, RoutingStats]:
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
     logits = jnp.dot(flat.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
@@ -185,15 +198,20 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
     y_rows = transport.send_back(_local_experts(tokens, ids, num_local, weights), context)
     y = combine(y_rows, order, routing.weights).reshape(batch, seq, hidden)
 
-    counts = jax.lax.psum(jnp.bincount(copies, length=experts).astype(jnp.int32), batch_axes)
+    counts = jnp.bincount(copies, length=experts).astype(jnp.int32)
     balance = (sequence_balance_loss(routing.scores, routing.experts, batch, config)
                if config.aux_loss_alpha else jnp.zeros((), jnp.float32))
-    return ExpertParallelOutput(y, counts, jax.lax.pmean(balance, batch_axes),
-                                jax.lax.psum(dropped, batch_axes))
+    node = functools.partial(_node_of_expert_position, mesh_shape=mesh_shape,
+                             devices_per_node=devices_per_node)
+    cross_node = jnp.sum(node(dest) != node(jax.lax.axis_index(EXPERT_AXIS)), dtype=jnp.int32)
+    total = functools.partial(jax.lax.psum, axis_name=batch_axes)
+    return y, RoutingStats(total(counts), jax.lax.pmean(balance, batch_axes), total(dropped),
+                           total(cross_node))
 
 
 def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
-                        weights: ExpertWeights, config: ModelConfig) -> ExpertParallelOutput:
+                        weights: ExpertWeights,
+                        config: ModelConfig) -> tuple[jax.Array, RoutingStats]:
     """The routed part of a MoE layer with experts sharded over the mesh's ``expert`` axis."""
     mesh = jax.sharding.get_abstract_mesh()
     ep = dict(mesh.shape)[EXPERT_AXIS]
@@ -205,10 +223,12 @@ def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
     if x.shape[0] % shards:
         raise ConfigError(f"batch size {x.shape[0]}: must be divisible by the {shards} devices "
                           f"of mesh axes {batch_axes}")
-    body = jax.tree_util.Partial(_shard_body, config=config, ep=ep, batch_axes=batch_axes,
-                                 options=current_options())
+    options = current_options()
+    body = functools.partial(
+        _shard_body, config=config, ep=ep, batch_axes=batch_axes, mesh_shape=dict(mesh.shape),
+        options=options, devices_per_node=options.devices_per_node or jax.local_device_count())
     tokens = P(batch_axes)
     experts = ExpertWeights(P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS))
     return jax.shard_map(body, in_specs=(tokens, P(), P(), experts),
-                         out_specs=ExpertParallelOutput(tokens, P(), P(), P()))(
+                         out_specs=(tokens, RoutingStats(P(), P(), P(), P())))(
         x, router, bias, weights)
