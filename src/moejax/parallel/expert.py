@@ -158,14 +158,20 @@ def _local_experts(tokens: jax.Array, ids: jax.Array, num_local: int,
 
 def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
                              devices_per_node: int) -> jax.Array:
-    """Node of the device at ``position`` along ``expert`` and this device's other coordinates.
+    """Node of the device at ``position`` along ``expert`` and this device's batch coordinates.
 
     Devices are laid out row-major over the mesh axes (``moejax.parallel.mesh``), one node's
-    devices contiguous.
+    devices contiguous. Axes the tokens are replicated over (pipe, tensor) count at index 0,
+    so every replica reports the same traffic.
     """
     flat = jnp.zeros((), jnp.int32)
     for axis, size in mesh_shape.items():
-        index = position if axis == EXPERT_AXIS else jax.lax.axis_index(axis)
+        if axis == EXPERT_AXIS:
+            index = position
+        elif axis in BATCH_AXES and size > 1:
+            index = jax.lax.axis_index(axis)
+        else:
+            index = 0
         flat = flat * size + index
     return flat // devices_per_node
 
