@@ -19,7 +19,7 @@ from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.layers import DenseMLP
 from moejax.model.routing import RoutingStats, route, sequence_balance_loss
-from moejax.parallel.expert import expert_axis_size, expert_parallel_moe
+from moejax.parallel import expert as expert_parallel  # module: the two import each other
 
 
 class MoEOutput(NamedTuple):
@@ -61,7 +61,8 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, bias: jax.Array) -> MoEOutput:
         weights = ExpertWeights(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
-        routed = (expert_parallel_moe if expert_axis_size() > 1 else routed_experts_local)
+        routed = (expert_parallel.expert_parallel_moe if expert_parallel.expert_axis_size() > 1
+                  else routed_experts_local)
         y, stats = routed(x, self.router[...], bias, weights, self.config)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -20,7 +20,7 @@ import contextvars
 import dataclasses
 import functools
 import math
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +147,9 @@ class _Ragged(NamedTuple):
                                          per_dest, axis_name=EXPERT_AXIS)
 
 
+RunExperts = Callable[[jax.Array, jax.Array, int, ExpertWeights], jax.Array]
+
+
 def _local_experts(tokens: jax.Array, ids: jax.Array, num_local: int,
                    weights: ExpertWeights) -> jax.Array:
     """Runs received rows (any order; id == num_local marks padding) through local experts."""
@@ -179,7 +182,7 @@ def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
 def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: ExpertWeights, *,
                 config: ModelConfig, ep: int, batch_axes: tuple[str, ...],
                 mesh_shape: dict[str, int], options: ExpertParallelOptions,
-                devices_per_node: int) -> tuple[jax.Array, RoutingStats]:
+                devices_per_node: int, run_experts: RunExperts) -> tuple[jax.Array, RoutingStats]:
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
     logits = jnp.dot(flat.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
@@ -201,7 +204,7 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
         transport = _Padded(capacity, ep)
     tokens, ids, context, dropped = transport.send(rows, sorted_experts % num_local, dest,
                                                    per_dest, num_local)
-    y_rows = transport.send_back(_local_experts(tokens, ids, num_local, weights), context)
+    y_rows = transport.send_back(run_experts(tokens, ids, num_local, weights), context)
     y = combine(y_rows, order, routing.weights).reshape(batch, seq, hidden)
 
     counts = jnp.bincount(copies, length=experts).astype(jnp.int32)
@@ -216,9 +219,13 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
 
 
 def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
-                        weights: ExpertWeights,
-                        config: ModelConfig) -> tuple[jax.Array, RoutingStats]:
-    """The routed part of a MoE layer with experts sharded over the mesh's ``expert`` axis."""
+                        weights: ExpertWeights, config: ModelConfig,
+                        run_experts: RunExperts = _local_experts) -> tuple[jax.Array, RoutingStats]:
+    """The routed part of a MoE layer with experts sharded over the mesh's ``expert`` axis.
+
+    ``run_experts(rows, local_ids, num_local, weights)`` maps the received rows to outputs;
+    benchmarks pass an identity to time the token exchange alone.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     ep = dict(mesh.shape)[EXPERT_AXIS]
     if config.n_routed_experts % ep:
@@ -232,7 +239,8 @@ def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
     options = current_options()
     body = functools.partial(
         _shard_body, config=config, ep=ep, batch_axes=batch_axes, mesh_shape=dict(mesh.shape),
-        options=options, devices_per_node=options.devices_per_node or jax.local_device_count())
+        options=options, devices_per_node=options.devices_per_node or jax.local_device_count(),
+        run_experts=run_experts)
     tokens = P(batch_axes)
     experts = ExpertWeights(P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS))
     return jax.shard_map(body, in_specs=(tokens, P(), P(), experts),

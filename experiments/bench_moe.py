@@ -1,0 +1,142 @@
+"""One MoE layer over the ``expert`` mesh axis: forward+backward, the token exchange alone,
+and XLA's plain all_to_all on the same bytes, side by side in one run.
+
+    python -m experiments.bench_moe                          # every expert size the GPUs allow
+    python -m experiments.bench_moe --expert 1,2 --tokens-per-device 16384
+
+Several processes (one GPU each) join with ``jax.distributed``, e.g. on one 2-GPU host:
+
+    CUDA_VISIBLE_DEVICES=0 python -m experiments.bench_moe --coordinator localhost:12355 \\
+        --num-processes 2 --process-id 0 &
+    CUDA_VISIBLE_DEVICES=1 python -m experiments.bench_moe --coordinator localhost:12355 \\
+        --num-processes 2 --process-id 1
+
+Weak scaling: tokens per device stay fixed as ``expert`` grows. Bytes of the exchange are
+the routed copies each device sends and receives (T*k*H*itemsize each way, twice: dispatch
+and combine); the raw all_to_all moves a buffer of the same size once each way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moejax.config import get_model_preset
+from moejax.model.expert_ffn import ExpertWeights
+from moejax.model.moe import MoE
+from moejax.parallel.expert import (EXPERT_AXIS, ExpertParallelOptions, expert_parallel_moe,
+                                    expert_parallel_options)
+from moejax.parallel.mesh import MeshSpec, build_mesh
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    jax.block_until_ready(fn())  # compile + warm up
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _identity_experts(rows, ids, num_local, weights):  # noqa: ARG001 - matches RunExperts
+    return rows
+
+
+def bench_one(expert: int, args: argparse.Namespace) -> dict[str, float]:
+    devices = jax.device_count()
+    mesh = build_mesh(MeshSpec(data=devices // expert, expert=expert))
+    config = get_model_preset(args.preset)
+    dtype = jnp.dtype(args.dtype)
+    layer = MoE(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32)
+    graphdef, params = nnx.split(layer)
+    seqs = args.tokens_per_device // args.seq_len * devices
+    x = jax.random.normal(jax.random.key(1), (seqs, args.seq_len, config.hidden_size), dtype)
+    bias = jnp.zeros((config.n_routed_experts,), jnp.float32)
+    with jax.set_mesh(mesh), expert_parallel_options(ExpertParallelOptions(args.transport)):
+        x = jax.device_put(x, NamedSharding(mesh, P(("data", EXPERT_AXIS))))
+
+        @jax.jit
+        def fwd_bwd(params, x):
+            def loss(params, x):
+                y, _ = nnx.merge(graphdef, params)(x, bias)
+                return jnp.sum(y.astype(jnp.float32) ** 2)
+            return jax.grad(loss, argnums=(0, 1))(params, x)
+
+        @jax.jit
+        def exchange(params, x):
+            weights = ExpertWeights(params["gate_proj"][...], params["up_proj"][...],
+                                    params["down_proj"][...])
+            return expert_parallel_moe(x, params["router"][...], bias, weights, config,
+                                       run_experts=_identity_experts)[0]
+
+        k, hidden = config.num_experts_per_tok, config.hidden_size
+        rows = args.tokens_per_device * k
+        buffer = jax.device_put(
+            jnp.ones((devices * rows, hidden), dtype),
+            NamedSharding(mesh, P(("data", EXPERT_AXIS))))
+        raw = jax.jit(jax.shard_map(
+            lambda b: jax.lax.all_to_all(b, EXPERT_AXIS, 0, 0, tiled=True),
+            in_specs=P(("data", EXPERT_AXIS)), out_specs=P(("data", EXPERT_AXIS))))
+        t_layer = _median_seconds(lambda: fwd_bwd(params, x), args.repeats)
+        t_exchange = (_median_seconds(lambda: exchange(params, x), args.repeats)
+                      if expert > 1 else float("nan"))
+        t_raw = _median_seconds(lambda: raw(buffer), args.repeats) if expert > 1 else float("nan")
+    bytes_one_way = rows * hidden * dtype.itemsize  # per device, what dispatch sends
+    return {
+        "expert": expert, "layer_ms": 1e3 * t_layer,
+        "tokens_per_s_per_device": args.tokens_per_device / t_layer,
+        "exchange_ms": 1e3 * t_exchange, "raw_a2a_ms": 1e3 * t_raw,
+        # dispatch + combine move the copies twice; the raw all_to_all moves them once
+        "exchange_GBps": 2 * bytes_one_way / t_exchange / 1e9,
+        "raw_a2a_GBps": bytes_one_way / t_raw / 1e9,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small", help="model preset whose MoE shapes to use")
+    parser.add_argument("--expert", default="", help="comma list of expert axis sizes "
+                        "(default: 1, 2, 4, ... up to the device count)")
+    parser.add_argument("--tokens-per-device", type=int, default=8192)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--transport", default="auto", choices=("auto", "padded", "ragged"))
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--coordinator", help="host:port of process 0 (multi-process runs)")
+    parser.add_argument("--num-processes", type=int)
+    parser.add_argument("--process-id", type=int)
+    args = parser.parse_args()
+    if args.coordinator:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    devices = jax.device_count()
+    sizes = ([int(s) for s in args.expert.split(",")] if args.expert
+             else [e for e in (1, 2, 4, 8, 16, 32, 64) if e <= devices and devices % e == 0])
+    if args.tokens_per_device % args.seq_len:
+        parser.error(f"--tokens-per-device {args.tokens_per_device} must be a multiple of "
+                     f"--seq-len {args.seq_len}")
+    rows = [bench_one(e, args) for e in sizes]
+    if jax.process_index() != 0:
+        return
+    print(f"# {jax.devices()[0].device_kind} x{devices}, {jax.process_count()} process(es), "
+          f"preset {args.preset}, {args.tokens_per_device} tokens/device, {args.dtype} transport")
+    base = rows[0]["tokens_per_s_per_device"]
+    print(f"{'expert':>6} {'layer ms':>9} {'tok/s/dev':>11} {'vs e=1':>7} {'exch ms':>8} "
+          f"{'exch GB/s':>9} {'raw a2a GB/s':>12} {'exch/raw':>8}")
+    for r in rows:
+        print(f"{r['expert']:>6} {r['layer_ms']:>9.2f} {r['tokens_per_s_per_device']:>11.0f} "
+              f"{r['tokens_per_s_per_device'] / base:>7.2f} {r['exchange_ms']:>8.2f} "
+              f"{r['exchange_GBps']:>9.1f} {r['raw_a2a_GBps']:>12.1f} "
+              f"{r['exchange_GBps'] / r['raw_a2a_GBps']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
