@@ -1,0 +1,1 @@
+"""Data: tokenizers, token shards, the embedded corpus and the Grain input pipeline."""

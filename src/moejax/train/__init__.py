@@ -1,0 +1,1 @@
+"""Training: experiment config, optimizer, train step, checkpointing, metrics, the loop."""

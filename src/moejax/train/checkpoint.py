@@ -1,0 +1,119 @@
+"""Orbax checkpointing of the whole run: train state, data-iterator position, config.
+
+Each step directory holds two items: ``state`` (params, optimizer state, router biases,
+step, RNG) and ``data`` (the Grain iterator state, JSON). Orbax writes a step into a
+temporary directory and renames it only once every item is complete, so a process killed
+mid-save leaves at most a stray temporary directory that ``latest_step`` ignores and the
+next manager removes. The run dir also records ``config.json``: a resume checks that the
+checkpoints were made by the same configuration before touching them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from moejax.config import ConfigError
+from moejax.train.config import CheckpointConfig
+
+CONFIG_FILE = "config.json"
+# Settings that may differ between a run and its resumption (length, cadence, logging).
+RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+                     "train.nonfinite", "train.peak_tflops", "checkpoint.every",
+                     "checkpoint.keep", "checkpoint.async_save"}
+# Test hook: ``MOEJAX_DEBUG_PAUSE_SAVE=STEP`` makes the save of STEP write the file
+# ``<step tmp dir>/paused`` and then block forever, so a test can SIGKILL a real training
+# process that is provably in the middle of writing a checkpoint.
+PAUSE_ENV = "MOEJAX_DEBUG_PAUSE_SAVE"
+
+
+class _PauseHandler(ocp.CheckpointHandler):
+    """Blocks inside a save (test hook only; see ``PAUSE_ENV``)."""
+
+    def save(self, directory: epath.Path, args: "_PauseSave") -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "paused").write_text(str(os.getpid()))
+        while True:
+            time.sleep(1)
+
+    def restore(self, directory: epath.Path, args: Any = None) -> None:
+        return None
+
+
+@ocp.args.register_with_handler(_PauseHandler, for_save=True)
+class _PauseSave(ocp.args.CheckpointArgs):
+    pass
+
+
+@ocp.args.register_with_handler(_PauseHandler, for_restore=True)
+class _PauseRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}} -> {"a.b": 1}``: config dicts compared field by field."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_config(run_dir: pathlib.Path, config: dict) -> None:
+    """Records ``config`` in a new run dir, or checks it against the recorded one.
+
+    Raises ConfigError naming every differing field that would make the run dir's
+    checkpoints belong to another experiment.
+    """
+    path = pathlib.Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(config, indent=1))
+        return
+    old, new = flatten(json.loads(path.read_text())), flatten(config)
+    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+             if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
+    if diffs:
+        raise ConfigError(f"run dir {run_dir} holds checkpoints of another configuration "
+                          f"({'; '.join(diffs)}); use a new --run-dir")
+
+
+class Checkpointer:
+    """An Orbax CheckpointManager over ``RUN_DIR/checkpoints`` keeping the last K steps."""
+
+    def __init__(self, run_dir: pathlib.Path, cfg: CheckpointConfig):
+        self.directory = pathlib.Path(run_dir).absolute() / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
+            cleanup_tmp_directories=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._pause_at = int(os.environ.get(PAUSE_ENV, "-1"))
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, data_state: dict) -> None:
+        """Starts saving ``step`` (asynchronously when configured); waits for the last one."""
+        items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state)}
+        if step == self._pause_at:
+            items["pause"] = _PauseSave()
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """The state (placed as ``abstract_state``'s shardings say) and data position."""
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        return restored["state"], restored["data"]
+
+    def close(self) -> None:
+        """Waits for any save in flight, then releases the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,264 @@
+"""The experiment configuration: model + training + data + checkpointing + mesh.
+
+Typed frozen dataclasses validated once at construction (a bad value raises
+:class:`~moejax.config.ConfigError` naming field, value and rule). Named presets bundle a
+model preset with training settings; ``--set section.field=value`` overrides are parsed
+against each field's declared type, so ``--set train.lr=abc`` fails before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+from moejax.config import ConfigError, ModelConfig, MODEL_PRESETS, get_model_preset
+
+SCHEDULES = ("cosine", "wsd")
+DTYPES = ("float32", "bfloat16")
+NONFINITE_POLICIES = ("stop", "skip")
+MESH_AXES = ("pipe", "data", "expert")
+
+
+def _fail(field: str, value: Any, rule: str) -> None:
+    raise ConfigError(f"{field}={value!r}: {rule}")
+
+
+def _check_positive_int(section: str, obj: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            _fail(f"{section}.{name}", value, "must be a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and loop settings."""
+
+    steps: int = 1000
+    schedule_steps: int | None = None  # LR schedule length; None: the same as steps
+    batch_size: int = 16  # global, in sequences
+    seq_len: int = 128
+    seed: int = 0
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # final LR as a fraction of the peak
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine: warmup + cosine; wsd: warmup-constant-decay
+    wsd_decay_fraction: float = 0.2  # wsd: the last fraction of schedule_steps decays
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clip; 0 disables it
+    moments_dtype: str = "float32"  # Adam moments; bfloat16 halves optimizer memory
+    compute_dtype: str = "bfloat16"  # activations and matmuls; master weights stay FP32
+    mtp_lambda: float = 0.3  # weight of the MTP loss
+    bias_update_rate: float = 1e-3  # aux-loss-free router bias step (DeepSeek-V3's gamma)
+    nonfinite: str = "stop"  # NaN/inf loss: stop (checkpoint the last good state) or skip
+    log_every: int = 10
+    eval_every: int = 100  # held-out loss cadence; 0 disables it
+    eval_batches: int = 4
+    peak_tflops: float | None = None  # per-device peak for MFU; None: guess from the device
+
+    def __post_init__(self) -> None:
+        _check_positive_int("train", self, ("steps", "batch_size", "seq_len", "log_every",
+                                            "eval_batches"))
+        if self.schedule_steps is not None:
+            _check_positive_int("train", self, ("schedule_steps",))
+        for name in ("warmup_steps", "eval_every", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                _fail(f"train.{name}", value, "must be a non-negative integer")
+        if self.warmup_steps >= self.total_schedule_steps:
+            _fail("train.warmup_steps", self.warmup_steps,
+                  f"must be < the schedule length {self.total_schedule_steps}")
+        if not self.lr > 0:
+            _fail("train.lr", self.lr, "must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
+        if not 0 < self.wsd_decay_fraction <= 1:
+            _fail("train.wsd_decay_fraction", self.wsd_decay_fraction, "must be in (0, 1]")
+        for name in ("eps", "weight_decay", "grad_clip", "mtp_lambda", "bias_update_rate"):
+            if not getattr(self, name) >= 0:
+                _fail(f"train.{name}", getattr(self, name), "must be >= 0")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            _fail("train.peak_tflops", self.peak_tflops, "must be > 0 or None")
+        for name, allowed in (("schedule", SCHEDULES), ("moments_dtype", DTYPES),
+                              ("compute_dtype", DTYPES), ("nonfinite", NONFINITE_POLICIES)):
+            if getattr(self, name) not in allowed:
+                _fail(f"train.{name}", getattr(self, name), f"must be one of {list(allowed)}")
+
+    @property
+    def total_schedule_steps(self) -> int:
+        return self.schedule_steps or self.steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the tokens come from: ``embedded`` (stdlib corpus) or a shard folder."""
+
+    dir: str = "embedded"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, str) or not self.dir:
+            _fail("data.dir", self.dir, "must be 'embedded' or a shard folder path")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpointing cadence."""
+
+    every: int = 100  # save every N steps (and at the end)
+    keep: int = 3  # keep the last K
+    async_save: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive_int("checkpoint", self, ("every", "keep"))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh shape; the axes' product must equal the number of devices used."""
+
+    pipe: int = 1
+    data: int = 1
+    expert: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive_int("mesh", self, MESH_AXES)
+
+    @property
+    def size(self) -> int:
+        return self.pipe * self.data * self.expert
+
+    @classmethod
+    def parse(cls, text: str) -> "MeshConfig":
+        """``pipe=P,data=D,expert=E`` (any subset, any order)."""
+        sizes: dict[str, int] = {}
+        for part in filter(None, text.split(",")):
+            name, sep, value = part.partition("=")
+            name = name.strip()
+            if not sep or name not in MESH_AXES:
+                _fail("--mesh", text, f"expected comma-separated AXIS=SIZE with AXIS in "
+                                      f"{list(MESH_AXES)}")
+            if name in sizes:
+                _fail("--mesh", text, f"axis {name!r} given twice")
+            sizes[name] = _coerce(f"mesh.{name}", value.strip(), int)
+        return cls(**sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything a training run depends on; ``to_dict`` is what a run dir records."""
+
+    model: ModelConfig
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self) -> None:
+        depth = self.model.num_nextn_predict_layers
+        if self.train.seq_len <= depth:
+            _fail("train.seq_len", self.train.seq_len,
+                  f"must exceed num_nextn_predict_layers={depth} (MTP needs targets)")
+        if self.train.seq_len > self.model.max_position_embeddings:
+            _fail("train.seq_len", self.train.seq_len,
+                  f"must be <= model.max_position_embeddings="
+                  f"{self.model.max_position_embeddings}")
+        if self.train.batch_size % (self.mesh.data * self.mesh.expert):
+            _fail("train.batch_size", self.train.batch_size,
+                  f"must divide over the data x expert mesh axes "
+                  f"({self.mesh.data} x {self.mesh.expert})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
+                             "checkpoint": CheckpointConfig, "mesh": MeshConfig}
+
+TRAIN_PRESETS: dict[str, ExperimentConfig] = {
+    # A few minutes on a laptop CPU: loss falls well below the corpus' unigram entropy.
+    "tiny": ExperimentConfig(
+        model=MODEL_PRESETS["tiny"],
+        train=TrainConfig(steps=200, batch_size=16, seq_len=128, lr=3e-3, warmup_steps=20,
+                          compute_dtype="float32",  # XLA:CPU emulates BF16 matmuls: ~2x slower
+                          bias_update_rate=1e-2,  # balance visibly within a short run
+                          eval_every=50, log_every=10),
+        checkpoint=CheckpointConfig(every=50)),
+    # The first GPU baseline: one H100, byte-level embedded corpus.
+    "small": ExperimentConfig(
+        model=MODEL_PRESETS["small"],
+        train=TrainConfig(steps=200, batch_size=16, seq_len=1024, lr=1e-3, warmup_steps=20,
+                          eval_every=100, log_every=10),
+        checkpoint=CheckpointConfig(every=1000)),
+}
+
+
+def get_experiment_preset(name: str) -> ExperimentConfig:
+    """A training preset, or any model preset with default training settings."""
+    if name in TRAIN_PRESETS:
+        return TRAIN_PRESETS[name]
+    if name in MODEL_PRESETS:
+        return ExperimentConfig(model=get_model_preset(name))
+    known = sorted(set(TRAIN_PRESETS) | set(MODEL_PRESETS))
+    raise ConfigError(f"unknown preset {name!r}; known: {known}")
+
+
+def _coerce(key: str, text: str, kind: Any) -> Any:
+    """Parses ``text`` as a value of the annotated type ``kind``."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in args:
+        if text.lower() in ("none", "null"):
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(key, text, inner)
+    try:
+        if kind is bool:
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return lowered in ("true", "1", "yes")
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is str:
+            return text
+        return json.loads(text)
+    except ValueError:
+        name = getattr(kind, "__name__", str(kind))
+        raise ConfigError(f"{key}={text!r}: expected a value of type {name}") from None
+
+
+def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
+    """Applies ``section.field=value`` strings; the result is validated as a whole."""
+    changes: dict[str, dict[str, Any]] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE, "
+                              f"e.g. train.lr=3e-4 (sections: {sorted(SECTIONS)})")
+        if section not in SECTIONS:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; "
+                              f"known: {sorted(SECTIONS)}")
+        hints = typing.get_type_hints(SECTIONS[section])
+        fields = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        if name not in fields:
+            raise ConfigError(f"--set {item!r}: unknown field {section}.{name}; "
+                              f"known: {fields}")
+        changes.setdefault(section, {})[name] = _coerce(key, text.strip(), hints[name])
+    sections = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
+    return dataclasses.replace(config, **sections)
+

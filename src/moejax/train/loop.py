@@ -1,0 +1,231 @@
+"""The training run: data, state (fresh or restored), the step loop, eval, checkpoints.
+
+Order of checks matters: everything that can be wrong with the input (config, mesh, data,
+the run dir's previous contents) is checked before anything is written, and nothing here
+ever deletes a complete checkpoint (Orbax's ``max_to_keep`` only drops the oldest after a
+newer one is complete).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from moejax.config import ConfigError
+from moejax.data.corpus import resolve_data_dir
+from moejax.data.pipeline import LoaderSpec, make_dataset
+from moejax.data.shards import read_info, unigram_entropy
+from moejax.train.checkpoint import Checkpointer, check_config
+from moejax.train.config import MESH_AXES, ExperimentConfig
+from moejax.train.flops import mfu, peak_flops, train_flops_per_token
+from moejax.train.metrics import MetricsLog, progress_line
+from moejax.train.step import (TrainState, make_eval_step, make_train_step,
+                               state_initializer)
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite loss); the message says what was kept."""
+
+
+@dataclasses.dataclass
+class Summary:
+    """What a finished run reports (also printed as its last lines)."""
+
+    first_step: int
+    last_step: int
+    losses: dict[int, float]
+    eval_losses: dict[int, float]
+    unigram_entropy: float
+    wall_s: float
+    median_step_s: float | None
+    tokens_per_s: float | None
+    mfu: float | None
+    peak_memory_gib: float | None
+
+
+def make_mesh(cfg: ExperimentConfig) -> Mesh:
+    """The device mesh; single-device until the expert-parallel layer lands."""
+    if cfg.mesh.size != 1:
+        raise ConfigError(f"--mesh {cfg.mesh}: meshes of more than one device are not yet "
+                          "supported by experiments.train (expert parallelism is pending); "
+                          "use pipe=1,data=1,expert=1")
+    shape = tuple(getattr(cfg.mesh, a) for a in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, devices=jax.devices()[:cfg.mesh.size],
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def peak_memory_gib() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
+def _loader(cfg: ExperimentConfig, shard_dir: pathlib.Path, split: str) -> LoaderSpec:
+    return LoaderSpec(shard_dir=shard_dir, split=split, seq_len=cfg.train.seq_len,
+                      global_batch=cfg.train.batch_size, seed=cfg.train.seed,
+                      process_index=jax.process_index(), process_count=jax.process_count())
+
+
+class Trainer:
+    """One run in one run dir; ``run()`` trains to ``cfg.train.steps``."""
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: pathlib.Path, *, resume: bool,
+                 log=print):
+        self.cfg, self.run_dir, self.log = cfg, pathlib.Path(run_dir), log
+        self.mesh = make_mesh(cfg)
+        self.shard_dir = resolve_data_dir(cfg.data.dir)
+        self.data_info = read_info(self.shard_dir)
+        if self.data_info.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: must be >= the "
+                              f"{self.data_info.vocab_size} ids of the data's "
+                              f"{self.data_info.tokenizer} tokenizer ({self.shard_dir})")
+        self.ckpt = Checkpointer(self.run_dir, cfg.checkpoint)
+        self.resume_step = self.ckpt.latest_step()
+        if self.resume_step is not None and not resume:
+            raise ConfigError(f"run dir {self.run_dir} already holds checkpoints (latest step "
+                              f"{self.resume_step}); pass --resume to continue it or choose "
+                              "another --run-dir")
+        check_config(self.run_dir, cfg.to_dict())
+
+    def _shardings(self, abstract: TrainState) -> tuple[Any, NamedSharding]:
+        replicated = NamedSharding(self.mesh, P())
+        batch = NamedSharding(self.mesh, P(("data", "expert")))
+        return jax.tree.map(lambda _: replicated, abstract), batch
+
+    def _report_data(self) -> float:
+        info, entropy = self.data_info, unigram_entropy(self.shard_dir)
+        self.log(f"data: {info.source} -> {self.shard_dir}\n"
+                 f"  {info.source_bytes / 1e6:.1f} MB of text, {info.tokenizer} tokenizer "
+                 f"(vocab {info.vocab_size}); train {info.tokens['train']:,} tokens in "
+                 f"{info.documents['train']} documents, held-out {info.tokens['val']:,} "
+                 f"tokens in {info.documents['val']} documents\n"
+                 f"  unigram entropy of the train split: {entropy:.4f} nats/token")
+        return entropy
+
+    def _evaluate(self, eval_step, state: TrainState, batch_sharding) -> float:
+        it = iter(make_dataset(_loader(self.cfg, self.shard_dir, "val"), shuffle=False))
+        losses = [float(eval_step(state, jax.make_array_from_process_local_data(
+            batch_sharding, next(it)))) for _ in range(self.cfg.train.eval_batches)]
+        return float(np.mean(losses))
+
+    def run(self) -> Summary:
+        cfg, tc = self.cfg, self.cfg.train
+        start_wall = time.perf_counter()
+        entropy = self._report_data()
+        graphdef, init = state_initializer(cfg)
+        abstract = jax.eval_shape(init, jnp.uint32(tc.seed))
+        state_sh, batch_sh = self._shardings(abstract)
+        train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))
+        if self.resume_step is None:
+            state = jax.jit(init, out_shardings=state_sh)(jnp.uint32(tc.seed))
+            self.log(f"fresh start in {self.run_dir} (seed {tc.seed})")
+        else:
+            target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                     sharding=sh),
+                                  abstract, state_sh)
+            state, data_state = self.ckpt.restore(self.resume_step, target)
+            train_iter.set_state(data_state)
+            self.log(f"resumed {self.run_dir} from step {self.resume_step}")
+        first = int(state.step)
+        metrics_log = MetricsLog(self.run_dir, resume_step=first)
+        train_step = make_train_step(graphdef, cfg, state_shardings=state_sh,
+                                     batch_sharding=batch_sh)
+        eval_step = make_eval_step(graphdef, state_shardings=state_sh, batch_sharding=batch_sh)
+        flops_per_token = train_flops_per_token(cfg.model, tc.seq_len)
+        peak = peak_flops(jax.devices()[0].device_kind, tc.peak_tflops)
+        losses: dict[int, float] = {}
+        evals: dict[int, float] = {}
+        step_times: list[float] = []
+        try:
+            last = time.perf_counter()
+            for step in range(first + 1, tc.steps + 1):
+                data_state = train_iter.get_state()
+                batch = jax.make_array_from_process_local_data(batch_sh, next(train_iter))
+                state, metrics = train_step(state, batch)
+                metrics = jax.device_get(metrics)
+                now = time.perf_counter()
+                step_time, last = now - last, now
+                record = self._record(step, metrics, step_time, flops_per_token, peak,
+                                      compiled=step == first + 1)
+                if not metrics["finite"]:
+                    self._nonfinite(step, state, data_state, record, metrics_log)
+                    continue
+                if step > first + 1:
+                    step_times.append(step_time)
+                losses[step] = record["loss"]
+                if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
+                    record["eval_loss"] = evals[step] = self._evaluate(eval_step, state,
+                                                                       batch_sh)
+                    last = time.perf_counter()  # eval time is not step time
+                metrics_log.write(record)
+                if step % tc.log_every == 0 or step == first + 1 or step == tc.steps:
+                    self.log(progress_line(record) + (
+                        f" | held-out {record['eval_loss']:.4f}" if "eval_loss" in record
+                        else ""))
+                if step % cfg.checkpoint.every == 0 or step == tc.steps:
+                    self.ckpt.save(step, state, train_iter.get_state())
+        finally:
+            metrics_log.close()
+            self.ckpt.close()
+        median = statistics.median(step_times) if step_times else None
+        tps = tc.tokens_per_step / median if median else None
+        summary = Summary(first, int(state.step), losses, evals, entropy,
+                          time.perf_counter() - start_wall, median, tps,
+                          mfu(tps, flops_per_token, peak, self.mesh.size) if tps else None,
+                          peak_memory_gib())
+        self._report_summary(summary)
+        return summary
+
+    def _record(self, step: int, metrics: dict, step_time: float, flops_per_token: float,
+                peak: float | None, *, compiled: bool) -> dict[str, Any]:
+        tokens_per_s = self.cfg.train.tokens_per_step / step_time
+        record = {"step": step, **{k: v.item() for k, v in metrics.items()},
+                  "step_time_s": step_time, "tokens_per_s": tokens_per_s,
+                  "mfu": mfu(tokens_per_s, flops_per_token, peak, self.mesh.size),
+                  "peak_memory_gib": peak_memory_gib()}
+        if compiled:
+            record["includes_compile"] = True
+        return record
+
+    def _nonfinite(self, step: int, state: TrainState, data_state: dict, record: dict,
+                   metrics_log: MetricsLog) -> None:
+        """Skips the batch, or saves the last good state (unchanged by the step) and stops."""
+        metrics_log.write(record)
+        if self.cfg.train.nonfinite == "skip":
+            self.log(f"step {step}: non-finite loss ({record['total_loss']}), batch skipped")
+            return
+        good = step - 1
+        if self.ckpt.latest_step() != good:
+            self.ckpt.save(good, state._replace(step=jnp.full_like(state.step, good)),
+                           data_state)
+        raise TrainingError(
+            f"non-finite loss at step {step} (loss {record['total_loss']}, grad norm "
+            f"{record['grad_norm']}); the last good state (step {good}) is checkpointed in "
+            f"{self.ckpt.directory}. Lower train.lr, or pass --set train.nonfinite=skip")
+
+    def _report_summary(self, s: Summary) -> None:
+        if not s.losses:
+            self.log(f"nothing to do: the run is already at step {s.last_step} "
+                     f">= --steps {self.cfg.train.steps}")
+            return
+        first_loss, final_loss = s.losses[min(s.losses)], s.losses[max(s.losses)]
+        lines = [f"done: steps {s.first_step + 1}..{s.last_step} in {s.wall_s:.1f} s; loss "
+                 f"{first_loss:.4f} -> {final_loss:.4f} (unigram entropy "
+                 f"{s.unigram_entropy:.4f})"]
+        if s.eval_losses:
+            lines.append(f"held-out loss {s.eval_losses[max(s.eval_losses)]:.4f}")
+        if s.median_step_s:
+            lines.append(f"median step {s.median_step_s * 1e3:.1f} ms, "
+                         f"{s.tokens_per_s:,.0f} tokens/s, MFU "
+                         + (f"{s.mfu:.2%}" if s.mfu is not None else "n/a (unknown peak)"))
+        if s.peak_memory_gib is not None:
+            lines.append(f"peak device memory {s.peak_memory_gib:.2f} GiB")
+        self.log("; ".join(lines))

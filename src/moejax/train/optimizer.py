@@ -1,0 +1,72 @@
+"""Learning-rate schedules and the AdamW chain.
+
+AdamW runs on the FP32 master parameters; its two moments may be kept in BF16
+(``mu_dtype`` / ``nu`` cast) to halve optimizer memory. Weight decay skips norm scales:
+decaying them only fights the normalisation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moejax.train.config import TrainConfig
+
+
+def learning_rate(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup then cosine decay, or DeepSeek's warmup-constant-decay (``wsd``)."""
+    total, warmup = cfg.total_schedule_steps, cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup, decay_steps=total,
+            end_value=cfg.lr * cfg.min_lr_ratio)
+    else:
+        decay = max(1, round(cfg.wsd_decay_fraction * total))
+        constant = max(0, total - warmup - decay)
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, warmup),
+             optax.constant_schedule(cfg.lr),
+             optax.cosine_decay_schedule(cfg.lr, decay, alpha=cfg.min_lr_ratio)],
+            boundaries=[warmup, warmup + constant])
+    # Update n (counted from 0) uses the value at n + 1: no wasted zero-LR first step, and
+    # the last update (n = total - 1) lands exactly on the final LR.
+    return lambda count: schedule(count + 1)
+
+
+def _decay_mask(params):
+    """Decay matrices only: not norm scales, which are vectors even when stacked (L, h)."""
+
+    def decays(path, p) -> bool:
+        return p.ndim >= 2 and not any("norm" in str(k) for k in path)
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def adam_with_moment_dtype(cfg: TrainConfig) -> optax.GradientTransformation:
+    """``scale_by_adam`` whose moments live in ``cfg.moments_dtype`` between steps."""
+    dtype = jnp.dtype(cfg.moments_dtype)
+    adam = optax.scale_by_adam(b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, mu_dtype=dtype)
+    if dtype == jnp.float32:
+        return adam
+
+    def init(params):
+        state = adam.init(params)
+        return state._replace(nu=jax.tree.map(lambda v: v.astype(dtype), state.nu))
+
+    def update(updates, state, params=None):
+        full = state._replace(nu=jax.tree.map(lambda v: v.astype(jnp.float32), state.nu))
+        updates, new = adam.update(updates, full, params)
+        return updates, new._replace(nu=jax.tree.map(lambda v: v.astype(dtype), new.nu))
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """clip → Adam (β2 = cfg.beta2) → decoupled weight decay on matrices → −lr(step)."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
+        adam_with_moment_dtype(cfg),
+        optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask),
+        optax.scale_by_learning_rate(learning_rate(cfg)),
+    )

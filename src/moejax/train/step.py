@@ -1,0 +1,120 @@
+"""The train state and the pure train / eval steps.
+
+``train_step(state, tokens) -> (state, metrics)`` is one pure function, jitted with the
+state and batch shardings passed in, so a mesh only changes the shardings, not the step.
+A step whose loss or gradient norm is not finite leaves parameters, optimizer state,
+router biases and RNG exactly as they were (in-graph select) and only counts the batch;
+the host decides to stop or go on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from moejax.model import DeepseekV3, ModelOutput, RouterBias
+from moejax.model.routing import update_router_bias
+from moejax.train.config import ExperimentConfig
+from moejax.train.optimizer import learning_rate, make_optimizer
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: batches consumed so far
+    params: nnx.State  # FP32 master weights (nnx.Param)
+    biases: nnx.State  # aux-loss-free router biases (RouterBias), not trained by gradients
+    opt_state: optax.OptState
+    rng: jax.Array  # uint32 key data, split once per step
+
+
+def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
+    return DeepseekV3(cfg.model, rngs=nnx.Rngs(params=key),
+                      dtype=jnp.dtype(cfg.train.compute_dtype), param_dtype=jnp.float32)
+
+
+def state_initializer(cfg: ExperimentConfig) -> tuple[nnx.GraphDef,
+                                                      Callable[[jax.Array], TrainState]]:
+    """The model's graph and a pure ``init(seed) -> TrainState`` (jit or eval_shape it)."""
+    tx = make_optimizer(cfg.train)
+
+    def init(seed: jax.Array) -> TrainState:
+        params_key, rng = jax.random.split(jax.random.key(seed))
+        _, params, biases = nnx.split(build_model(cfg, params_key), nnx.Param, RouterBias)
+        return TrainState(jnp.zeros([], jnp.int32), params, biases, tx.init(params),
+                          jax.random.key_data(rng))
+
+    graphdef = nnx.split(nnx.eval_shape(lambda: build_model(cfg, jax.random.key(0))),
+                         nnx.Param, RouterBias)[0]
+    return graphdef, init
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats, computed in FP32."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels).mean()
+
+
+def losses(out: ModelOutput, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Main loss and the MTP loss averaged over depths (depth d targets ``labels[:, d:]``)."""
+    mtp = [cross_entropy(lg, labels[:, d:]) for d, lg in enumerate(out.mtp_logits, start=1)]
+    return (cross_entropy(out.logits, labels),
+            jnp.mean(jnp.stack(mtp)) if mtp else jnp.zeros((), jnp.float32))
+
+
+def load_balance(counts: jax.Array) -> dict[str, jax.Array]:
+    """Max over mean tokens per expert: per MoE layer, then averaged and worst over layers."""
+    counts = counts.astype(jnp.float32)
+    ratio = counts.max(-1) / jnp.maximum(counts.mean(-1), 1e-9)
+    return {"expert_load_max_over_mean": ratio.mean(), "expert_load_worst": ratio.max()}
+
+
+def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
+                    state_shardings: Any = None,
+                    batch_sharding: Any = None) -> Callable[[TrainState, jax.Array],
+                                                            tuple[TrainState, dict]]:
+    """The jitted ``(state, tokens (B, S+1)) -> (state, metrics)``; donates the old state."""
+    tc = cfg.train
+    tx, schedule = make_optimizer(tc), learning_rate(tc)
+
+    def train_step(state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict]:
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+        def loss_fn(params: nnx.State):
+            out = nnx.merge(graphdef, params, state.biases).forward(inputs)
+            main, mtp = losses(out, labels)
+            return main + tc.mtp_lambda * mtp + out.aux_loss, (main, mtp, out)
+
+        (total, (main, mtp, out)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        biases = jax.tree.map(
+            lambda b: update_router_bias(b, out.expert_counts, tc.bias_update_rate),
+            state.biases)
+        rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
+        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+        candidate = TrainState(state.step + 1, optax.apply_updates(state.params, updates),
+                               biases, opt_state, jax.random.key_data(rng))
+        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), candidate, state)
+        new = new._replace(step=state.step + 1)  # the batch is consumed either way
+        metrics = {"loss": main, "mtp_loss": mtp, "aux_loss": out.aux_loss,
+                   "total_loss": total, "grad_norm": grad_norm, "lr": schedule(state.step),
+                   "finite": finite, **load_balance(out.expert_counts)}
+        return new, metrics
+
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+def make_eval_step(graphdef: nnx.GraphDef, *, state_shardings: Any = None,
+                   batch_sharding: Any = None) -> Callable[[TrainState, jax.Array], jax.Array]:
+    """The jitted held-out loss ``(state, tokens) -> main next-token loss``."""
+
+    def eval_step(state: TrainState, tokens: jax.Array) -> jax.Array:
+        out = nnx.merge(graphdef, state.params, state.biases).forward(tokens[:, :-1])
+        return cross_entropy(out.logits, tokens[:, 1:])
+
+    return jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding))

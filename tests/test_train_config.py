@@ -1,0 +1,48 @@
+"""Experiment config: presets, typed --set overrides, mesh parsing, clear errors."""
+
+import pytest
+
+from moejax.config import ConfigError
+from moejax.train.config import MeshConfig, apply_overrides, get_experiment_preset
+
+
+def test_overrides_are_parsed_by_field_type_and_validated():
+    cfg = apply_overrides(get_experiment_preset("tiny"), [
+        "model.num_hidden_layers=2", "train.lr=3e-4", "train.schedule_steps=none",
+        "checkpoint.async_save=false", "model.q_lora_rank=None", "train.schedule=wsd"])
+    assert cfg.model.num_hidden_layers == 2 and cfg.model.q_lora_rank is None
+    assert cfg.train.lr == 3e-4 and cfg.train.schedule == "wsd"
+    assert cfg.checkpoint.async_save is False and cfg.train.schedule_steps is None
+    assert get_experiment_preset("deepseek-v3").model.n_routed_experts == 256
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=fast", r"train.lr='fast': expected a value of type float"),
+    ("train.steps=1.5", r"train.steps='1.5': expected a value of type int"),
+    ("train.nope=1", r"unknown field train.nope"),
+    ("optim.lr=1", r"unknown section 'optim'"),
+    ("lr=1", r"expected SECTION.FIELD=VALUE"),
+    ("train.lr", r"expected SECTION.FIELD=VALUE"),
+    ("train.schedule=linear", r"train.schedule='linear': must be one of"),
+    ("train.moments_dtype=float16", r"train.moments_dtype='float16': must be one of"),
+    ("model.num_hidden_layers=0", r"num_hidden_layers=0: must be a positive integer"),
+    ("train.seq_len=4096", r"train.seq_len=4096: must be <= model.max_position_embeddings"),
+    ("train.warmup_steps=200", r"train.warmup_steps=200: must be < the schedule length 200"),
+    ("checkpoint.async_save=maybe", r"expected a value of type bool"),
+])
+def test_bad_overrides_name_field_value_and_rule(override, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides(get_experiment_preset("tiny"), [override])
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ConfigError, match=r"unknown preset 'huge'; known: \[.*'tiny'"):
+        get_experiment_preset("huge")
+
+
+def test_mesh_flag_parsing():
+    assert MeshConfig.parse("pipe=2,data=4,expert=8") == MeshConfig(2, 4, 8)
+    assert MeshConfig.parse("expert=2").size == 2
+    for bad in ("gpu=2", "data=two", "data=0", "data", "data=1,data=2"):
+        with pytest.raises(ConfigError, match="mesh"):
+            MeshConfig.parse(bad)

@@ -1,0 +1,127 @@
+"""End-to-end runs of ``python -m experiments.train`` as real processes (minimal sizes).
+
+Subprocesses share a persistent compilation cache, so only the first one compiles.
+"""
+
+import glob
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments.train import main
+from moejax.train.checkpoint import PAUSE_ENV
+from moejax.train.metrics import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMALL = ["--preset", "tiny", "--set", "model.num_hidden_layers=2", "--set", "train.seq_len=32",
+         "--set", "train.batch_size=4", "--set", "train.warmup_steps=1",
+         "--set", "train.schedule_steps=6", "--set", "train.eval_every=3",
+         "--set", "train.eval_batches=1", "--set", "train.log_every=1", "--seed", "3"]
+COMPARED = ("loss", "mtp_loss", "aux_loss", "grad_norm", "lr", "eval_loss",
+            "expert_load_max_over_mean")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def _train(env, run_dir, *extra, popen=False, extra_env=None):
+    cmd = [sys.executable, "-m", "experiments.train", *SMALL, "--run-dir", str(run_dir), *extra]
+    kwargs = dict(cwd=ROOT, env={**env, **(extra_env or {})}, stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE, text=True)
+    if popen:
+        return subprocess.Popen(cmd, **kwargs)
+    result = subprocess.run(cmd, timeout=400, **kwargs)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result
+
+
+def _history(run_dir):
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return {r["step"]: {k: r.get(k) for k in COMPARED} for r in records}
+
+
+@pytest.fixture(scope="module")
+def straight(env, tmp_path_factory):
+    """An uninterrupted 6-step run: the reference every interrupted run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    result = _train(env, run_dir, "--steps", "6", "--set", "checkpoint.every=3")
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def test_resumed_run_logs_identical_losses(env, straight, tmp_path):
+    reference = _history(straight)
+    assert sorted(reference) == [1, 2, 3, 4, 5, 6]
+    assert reference[6]["loss"] < reference[1]["loss"]
+    first = _train(env, tmp_path, "--steps", "3", "--set", "checkpoint.every=3")
+    assert first.returncode == 0, first.stderr
+    second = _train(env, tmp_path, "--steps", "6", "--set", "checkpoint.every=3", "--resume")
+    assert second.returncode == 0, second.stderr
+    assert "from step 3" in second.stdout
+    assert _history(tmp_path) == reference
+
+
+def test_process_killed_mid_save_resumes_from_last_complete_step(env, straight, tmp_path):
+    proc = _train(env, tmp_path, "--steps", "6", "--set", "checkpoint.every=2", popen=True,
+                  extra_env={PAUSE_ENV: "4"})
+    deadline = time.time() + 300
+    while not glob.glob(str(tmp_path / "checkpoints" / "4.*" / "**" / "paused"),
+                        recursive=True):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "the save of step 4 never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+    assert not (tmp_path / "checkpoints" / "4").exists()  # only a temporary directory
+    resumed = _train(env, tmp_path, "--steps", "6", "--set", "checkpoint.every=2", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "from step 2" in resumed.stdout
+    assert _history(tmp_path) == _history(straight)
+    assert (tmp_path / "checkpoints" / "6").is_dir()
+
+
+def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_state(env, tmp_path):
+    result = _train(env, tmp_path, "--steps", "6", "--set", "train.lr=1e30",
+                    "--set", "checkpoint.every=100")
+    assert result.returncode == 3
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: non-finite loss at step ")
+    bad = int(message.split("at step ")[1].split()[0])
+    assert bad >= 2 and (tmp_path / "checkpoints" / str(bad - 1)).is_dir()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--set", "train.lr=abc"], "train.lr='abc': expected a value of type float"),
+    (["--set", "train.bogus=1"], "unknown field train.bogus"),
+    (["--data", "/nonexistent/shards"], "not a shard folder"),
+    (["--mesh", "data=2"], "not yet supported"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    assert main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_run_dir_of_another_config_is_refused_and_left_intact(straight, capsys):
+    before = sorted(p.name for p in (straight / "checkpoints").iterdir())
+    args = [*SMALL, "--run-dir", str(straight), "--steps", "6"]
+    assert main(args) == 2  # checkpoints there, no --resume
+    assert "pass --resume" in capsys.readouterr().err
+    assert main([*args, "--resume", "--set", "model.hidden_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert "another configuration" in err and "model.hidden_size: 128 -> 64" in err
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == before
