@@ -33,6 +33,7 @@ from moejax.model.expert_ffn import ExpertWeights
 from moejax.model.moe import MoE
 from moejax.parallel.expert import (EXPERT_AXIS, ExpertParallelOptions, expert_parallel_moe,
                                     expert_parallel_options)
+from moejax.parallel import distributed
 from moejax.parallel.mesh import MeshSpec, build_mesh
 
 
@@ -111,12 +112,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--transport", default="auto", choices=("auto", "padded", "ragged"))
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--coordinator", help="host:port of process 0 (multi-process runs)")
-    parser.add_argument("--num-processes", type=int)
-    parser.add_argument("--process-id", type=int)
+    distributed.add_arguments(parser)
     args = parser.parse_args()
-    if args.coordinator:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    distributed.initialize(args)
     devices = jax.device_count()
     sizes = ([int(s) for s in args.expert.split(",")] if args.expert
              else [e for e in (1, 2, 4, 8, 16, 32, 64) if e <= devices and devices % e == 0])

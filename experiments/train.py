@@ -15,7 +15,9 @@ import sys
 
 from moejax.config import ConfigError
 from moejax.data.shards import DataError
-from moejax.train.config import (ExperimentConfig, MeshConfig, apply_overrides,
+from moejax.parallel import distributed
+from moejax.parallel.mesh import MeshSpec
+from moejax.train.config import (ExperimentConfig, apply_overrides,
                                  get_experiment_preset)
 from moejax.train.loop import Trainer, TrainingError
 
@@ -33,9 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="continue from the latest complete checkpoint in the run dir")
     p.add_argument("--seed", type=int, help="init and data-order seed (sets train.seed)")
     p.add_argument("--mesh", default="", metavar="pipe=P,data=D,expert=E",
-                   help="device mesh (only a single device for now)")
+                   help="device mesh over all devices of all processes; the sizes must "
+                        "multiply to the device count (pipe and tensor: 1 for now)")
     p.add_argument("--data", help="shard folder from experiments.prepare_data "
                                   "(sets data.dir; default: the embedded corpus)")
+    distributed.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -51,13 +55,14 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
     overrides += args.set
     cfg = apply_overrides(get_experiment_preset(args.preset), overrides)
     if args.mesh:
-        cfg = dataclasses.replace(cfg, mesh=MeshConfig.parse(args.mesh))
+        cfg = dataclasses.replace(cfg, mesh=MeshSpec.parse(args.mesh))
     return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        distributed.initialize(args)
         cfg = build_config(args)
         run_dir = args.run_dir or pathlib.Path("runs") / args.preset
         Trainer(cfg, run_dir, resume=args.resume, log=lambda m: print(m, flush=True)).run()

@@ -3,7 +3,7 @@
 import pytest
 
 from moejax.config import ConfigError
-from moejax.train.config import MeshConfig, apply_overrides, get_experiment_preset
+from moejax.train.config import apply_overrides, get_experiment_preset
 
 
 def test_overrides_are_parsed_by_field_type_and_validated():
@@ -38,11 +38,3 @@ def test_bad_overrides_name_field_value_and_rule(override, message):
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ConfigError, match=r"unknown preset 'huge'; known: \[.*'tiny'"):
         get_experiment_preset("huge")
-
-
-def test_mesh_flag_parsing():
-    assert MeshConfig.parse("pipe=2,data=4,expert=8") == MeshConfig(2, 4, 8)
-    assert MeshConfig.parse("expert=2").size == 2
-    for bad in ("gpu=2", "data=two", "data=0", "data", "data=1,data=2"):
-        with pytest.raises(ConfigError, match="mesh"):
-            MeshConfig.parse(bad)

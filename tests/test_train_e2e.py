@@ -19,7 +19,7 @@ from moejax.train.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["--preset", "tiny", "--set", "model.num_hidden_layers=2", "--set", "train.seq_len=32",
-         "--set", "train.batch_size=4", "--set", "train.warmup_steps=1",
+         "--set", "train.batch_size=8", "--set", "train.warmup_steps=1",
          "--set", "train.schedule_steps=6", "--set", "train.eval_every=3",
          "--set", "train.eval_batches=1", "--set", "train.log_every=1", "--seed", "3"]
 COMPARED = ("loss", "mtp_loss", "aux_loss", "grad_norm", "lr", "eval_loss",
@@ -108,7 +108,9 @@ def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_state(env, t
     (["--set", "train.lr=abc"], "train.lr='abc': expected a value of type float"),
     (["--set", "train.bogus=1"], "unknown field train.bogus"),
     (["--data", "/nonexistent/shards"], "not a shard folder"),
-    (["--mesh", "data=2"], "not yet supported"),
+    (["--mesh", "data=2"], "multiply to 2, but there are 8 devices"),
+    (["--mesh", "pipe=2,data=4"], "mesh.pipe=2"),
+    (["--coordinator", "localhost:1"], "needs --num-processes and --process-id"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
@@ -125,3 +127,45 @@ def test_run_dir_of_another_config_is_refused_and_left_intact(straight, capsys):
     err = capsys.readouterr().err
     assert "another configuration" in err and "model.hidden_size: 128 -> 64" in err
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == before
+
+
+def _assert_same_history(got, reference):
+    assert sorted(got) == sorted(reference)
+    for step, row in reference.items():
+        for key, value in row.items():
+            expected = value if value is None else pytest.approx(value, rel=1e-4, abs=1e-6)
+            assert got[step][key] == expected, (step, key)
+
+
+@pytest.mark.parametrize("mesh", ["data=2,expert=4", "expert=8"])
+def test_sharded_runs_log_the_losses_of_one_device(env, straight, tmp_path, mesh):
+    """8 simulated devices: expert parallel MoE + ZeRO-3 vs the single-device run."""
+    result = _train(env, tmp_path, "--steps", "6", "--set", "checkpoint.every=3", "--mesh", mesh)
+    assert result.returncode == 0, result.stderr
+    assert f"mesh pipe=1,{'data=1,' if 'data' not in mesh else ''}{mesh}" in result.stdout
+    _assert_same_history(_history(tmp_path), _history(straight))
+
+
+def test_checkpoint_restores_onto_another_mesh(env, straight, tmp_path):
+    first = _train(env, tmp_path, "--steps", "3", "--set", "checkpoint.every=3")
+    assert first.returncode == 0, first.stderr
+    second = _train(env, tmp_path, "--steps", "6", "--set", "checkpoint.every=3", "--resume",
+                    "--mesh", "data=2,expert=4", "--set", "train.zero_stage=1")
+    assert second.returncode == 0, second.stderr
+    assert "from step 3" in second.stdout
+    _assert_same_history(_history(tmp_path), _history(straight))
+
+
+def test_two_processes_log_the_losses_of_one(env, straight, tmp_path):
+    """Two real processes with 4 CPU devices each, joined by jax.distributed (gloo)."""
+    port = 20000 + os.getpid() % 20000
+    four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = [_train(env, tmp_path, "--steps", "6", "--set", "checkpoint.every=3",
+                    "--mesh", "data=2,expert=4", "--coordinator", f"localhost:{port}",
+                    "--num-processes", "2", "--process-id", str(i), popen=True,
+                    extra_env=four) for i in range(2)]
+    outputs = [p.communicate(timeout=400) for p in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    assert "in 2 process(es)" in outputs[0][0]
+    _assert_same_history(_history(tmp_path), _history(straight))

@@ -79,11 +79,11 @@ def _spec(shape: tuple[int, ...], axes: tuple[str | None, ...], rules: dict[str,
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, zero: ZeroStage = 3) -> nnx.State:
-    """NamedShardings for every array of a model state (params, biases, ...)."""
+    """The state's own tree with a NamedSharding in place of every array (for jit/device_put)."""
     rules = logical_to_mesh(zero)
-    flat = [(path, NamedSharding(mesh, _spec(v.shape, param_logical_axes(path, v.ndim), rules,
-                                                 mesh)))
-            for path, v in nnx.to_flat_state(state)]
+    flat = [(path, variable.replace(NamedSharding(
+                mesh, _spec(variable.shape, param_logical_axes(path, variable.ndim), rules, mesh))))
+            for path, variable in nnx.to_flat_state(state)]
     return nnx.from_flat_state(flat)
 
 

@@ -23,10 +23,13 @@ from moejax.config import ConfigError
 from moejax.train.config import CheckpointConfig
 
 CONFIG_FILE = "config.json"
-# Settings that may differ between a run and its resumption (length, cadence, logging).
+# Settings that may differ between a run and its resumption: length, cadence, logging, and
+# the device layout (a checkpoint restores onto any mesh).
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                     "train.nonfinite", "train.peak_tflops", "checkpoint.every",
-                     "checkpoint.keep", "checkpoint.async_save"}
+                     "train.nonfinite", "train.peak_tflops", "train.zero_stage",
+                     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
+                     "mesh.pipe", "mesh.data", "mesh.expert", "mesh.tensor",
+                     "expert_parallel.transport", "expert_parallel.devices_per_node"}
 # Test hook: ``MOEJAX_DEBUG_PAUSE_SAVE=STEP`` makes the save of STEP write the file
 # ``<step tmp dir>/paused`` and then block forever, so a test can SIGKILL a real training
 # process that is provably in the middle of writing a checkpoint.

@@ -15,11 +15,12 @@ import typing
 from typing import Any
 
 from moejax.config import ConfigError, ModelConfig, MODEL_PRESETS, get_model_preset
+from moejax.parallel.expert import ExpertParallelOptions
+from moejax.parallel.mesh import MeshSpec
 
 SCHEDULES = ("cosine", "wsd")
 DTYPES = ("float32", "bfloat16")
 NONFINITE_POLICIES = ("stop", "skip")
-MESH_AXES = ("pipe", "data", "expert")
 
 
 def _fail(field: str, value: Any, rule: str) -> None:
@@ -61,6 +62,8 @@ class TrainConfig:
     eval_every: int = 100  # held-out loss cadence; 0 disables it
     eval_batches: int = 4
     peak_tflops: float | None = None  # per-device peak for MFU; None: guess from the device
+    # 3: params, grads and optimizer state sharded over `data` (FSDP); 1: optimizer only
+    zero_stage: int = 3
 
     def __post_init__(self) -> None:
         _check_positive_int("train", self, ("steps", "batch_size", "seq_len", "log_every",
@@ -92,6 +95,8 @@ class TrainConfig:
                               ("compute_dtype", DTYPES), ("nonfinite", NONFINITE_POLICIES)):
             if getattr(self, name) not in allowed:
                 _fail(f"train.{name}", getattr(self, name), f"must be one of {list(allowed)}")
+        if self.zero_stage not in (1, 3):
+            _fail("train.zero_stage", self.zero_stage, "must be 1 or 3")
 
     @property
     def total_schedule_steps(self) -> int:
@@ -126,37 +131,6 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Device mesh shape; the axes' product must equal the number of devices used."""
-
-    pipe: int = 1
-    data: int = 1
-    expert: int = 1
-
-    def __post_init__(self) -> None:
-        _check_positive_int("mesh", self, MESH_AXES)
-
-    @property
-    def size(self) -> int:
-        return self.pipe * self.data * self.expert
-
-    @classmethod
-    def parse(cls, text: str) -> "MeshConfig":
-        """``pipe=P,data=D,expert=E`` (any subset, any order)."""
-        sizes: dict[str, int] = {}
-        for part in filter(None, text.split(",")):
-            name, sep, value = part.partition("=")
-            name = name.strip()
-            if not sep or name not in MESH_AXES:
-                _fail("--mesh", text, f"expected comma-separated AXIS=SIZE with AXIS in "
-                                      f"{list(MESH_AXES)}")
-            if name in sizes:
-                _fail("--mesh", text, f"axis {name!r} given twice")
-            sizes[name] = _coerce(f"mesh.{name}", value.strip(), int)
-        return cls(**sizes)
-
-
-@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """Everything a training run depends on; ``to_dict`` is what a run dir records."""
 
@@ -164,7 +138,8 @@ class ExperimentConfig:
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    mesh: MeshConfig = MeshConfig()
+    mesh: MeshSpec = MeshSpec()
+    expert_parallel: ExpertParallelOptions = ExpertParallelOptions()
 
     def __post_init__(self) -> None:
         depth = self.model.num_nextn_predict_layers
@@ -175,6 +150,11 @@ class ExperimentConfig:
             _fail("train.seq_len", self.train.seq_len,
                   f"must be <= model.max_position_embeddings="
                   f"{self.model.max_position_embeddings}")
+        for axis in ("pipe", "tensor"):
+            if getattr(self.mesh, axis) != 1:
+                _fail(f"mesh.{axis}", getattr(self.mesh, axis),
+                      "experiments.train runs data and expert axes only for now (the "
+                      "pipeline executor and tensor parallelism are pending); use 1")
         if self.train.batch_size % (self.mesh.data * self.mesh.expert):
             _fail("train.batch_size", self.train.batch_size,
                   f"must divide over the data x expert mesh axes "
@@ -185,7 +165,8 @@ class ExperimentConfig:
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
-                             "checkpoint": CheckpointConfig, "mesh": MeshConfig}
+                             "checkpoint": CheckpointConfig, "mesh": MeshSpec,
+                             "expert_parallel": ExpertParallelOptions}
 
 TRAIN_PRESETS: dict[str, ExperimentConfig] = {
     # A few minutes on a laptop CPU: loss falls well below the corpus' unigram entropy.

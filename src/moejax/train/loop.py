@@ -17,16 +17,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.config import ConfigError
 from moejax.data.corpus import resolve_data_dir
 from moejax.data.pipeline import LoaderSpec, make_dataset
 from moejax.data.shards import read_info, unigram_entropy
+from moejax.parallel.expert import expert_parallel_options
+from moejax.parallel.mesh import build_mesh
+from moejax.parallel.sharding import batch_sharding
 from moejax.train.checkpoint import Checkpointer, check_config
-from moejax.train.config import MESH_AXES, ExperimentConfig
+from moejax.train.config import ExperimentConfig
 from moejax.train.flops import mfu, peak_flops, train_flops_per_token
 from moejax.train.metrics import MetricsLog, progress_line
+from moejax.train.optimizer import make_optimizer
+from moejax.train.placement import train_state_shardings
 from moejax.train.step import (TrainState, make_eval_step, make_train_step,
                                state_initializer)
 
@@ -51,19 +55,8 @@ class Summary:
     peak_memory_gib: float | None
 
 
-def make_mesh(cfg: ExperimentConfig) -> Mesh:
-    """The device mesh; single-device until the expert-parallel layer lands."""
-    if cfg.mesh.size != 1:
-        raise ConfigError(f"--mesh {cfg.mesh}: meshes of more than one device are not yet "
-                          "supported by experiments.train (expert parallelism is pending); "
-                          "use pipe=1,data=1,expert=1")
-    shape = tuple(getattr(cfg.mesh, a) for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, devices=jax.devices()[:cfg.mesh.size],
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
-
-
 def peak_memory_gib() -> float | None:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     return None if peak is None else peak / 2**30
 
@@ -79,8 +72,12 @@ class Trainer:
 
     def __init__(self, cfg: ExperimentConfig, run_dir: pathlib.Path, *, resume: bool,
                  log=print):
-        self.cfg, self.run_dir, self.log = cfg, pathlib.Path(run_dir), log
-        self.mesh = make_mesh(cfg)
+        self.cfg, self.run_dir = cfg, pathlib.Path(run_dir)
+        # Multi-process runs: process 0 speaks and writes the run dir's own files.
+        self.primary = jax.process_index() == 0
+        self.log = log if self.primary else (lambda message: None)
+        # A one-device mesh is a single-device run even where more devices exist.
+        self.mesh = build_mesh(cfg.mesh, jax.devices()[:1] if cfg.mesh.size == 1 else None)
         self.shard_dir = resolve_data_dir(cfg.data.dir)
         self.data_info = read_info(self.shard_dir)
         if self.data_info.vocab_size > cfg.model.vocab_size:
@@ -93,12 +90,8 @@ class Trainer:
             raise ConfigError(f"run dir {self.run_dir} already holds checkpoints (latest step "
                               f"{self.resume_step}); pass --resume to continue it or choose "
                               "another --run-dir")
-        check_config(self.run_dir, cfg.to_dict())
-
-    def _shardings(self, abstract: TrainState) -> tuple[Any, NamedSharding]:
-        replicated = NamedSharding(self.mesh, P())
-        batch = NamedSharding(self.mesh, P(("data", "expert")))
-        return jax.tree.map(lambda _: replicated, abstract), batch
+        if self.primary:
+            check_config(self.run_dir, cfg.to_dict())
 
     def _report_data(self) -> float:
         info, entropy = self.data_info, unigram_entropy(self.shard_dir)
@@ -117,12 +110,21 @@ class Trainer:
         return float(np.mean(losses))
 
     def run(self) -> Summary:
+        """Trains to ``train.steps``; every step is traced under the run's mesh."""
+        with jax.set_mesh(self.mesh), expert_parallel_options(self.cfg.expert_parallel):
+            return self._run()
+
+    def _run(self) -> Summary:
         cfg, tc = self.cfg, self.cfg.train
         start_wall = time.perf_counter()
         entropy = self._report_data()
         graphdef, init = state_initializer(cfg)
         abstract = jax.eval_shape(init, jnp.uint32(tc.seed))
-        state_sh, batch_sh = self._shardings(abstract)
+        state_sh = train_state_shardings(abstract, self.mesh, make_optimizer(tc), tc.zero_stage)
+        batch_sh = batch_sharding(self.mesh)
+        self.log(f"mesh {cfg.mesh} over {self.mesh.size} device(s) in {jax.process_count()} "
+                 f"process(es); ZeRO-{tc.zero_stage}; expert transport "
+                 f"{cfg.expert_parallel.resolved_transport() if cfg.mesh.expert > 1 else 'none'}")
         train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))
         if self.resume_step is None:
             state = jax.jit(init, out_shardings=state_sh)(jnp.uint32(tc.seed))
@@ -135,7 +137,7 @@ class Trainer:
             train_iter.set_state(data_state)
             self.log(f"resumed {self.run_dir} from step {self.resume_step}")
         first = int(state.step)
-        metrics_log = MetricsLog(self.run_dir, resume_step=first)
+        metrics_log = MetricsLog(self.run_dir, resume_step=first, enabled=self.primary)
         train_step = make_train_step(graphdef, cfg, state_shardings=state_sh,
                                      batch_sharding=batch_sh)
         eval_step = make_eval_step(graphdef, state_shardings=state_sh, batch_sharding=batch_sh)

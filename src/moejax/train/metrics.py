@@ -24,22 +24,32 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLog:
-    """Appends records to ``RUN_DIR/metrics.jsonl``, truncated to ``resume_step`` first."""
+    """Appends records to ``RUN_DIR/metrics.jsonl``, truncated to ``resume_step`` first.
 
-    def __init__(self, run_dir: pathlib.Path, resume_step: int | None = None):
+    In a multi-process run only process 0 writes (``enabled``); the others' records are the
+    same global numbers.
+    """
+
+    def __init__(self, run_dir: pathlib.Path, resume_step: int | None = None, *,
+                 enabled: bool = True):
         self.path = pathlib.Path(run_dir) / METRICS_FILE
+        self._file: TextIO | None = None
+        if not enabled:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [line for line in read_metrics(self.path)
                 if resume_step is not None and line.get("step", 0) <= resume_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self._file: TextIO = self.path.open("a")
+        self._file = self.path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -62,6 +72,8 @@ def progress_line(record: dict[str, Any]) -> str:
              f"{record['tokens_per_s']:,.0f} tok/s",
              f"step {record['step_time_s'] * 1e3:.0f} ms",
              f"MFU {mfu:.1%}" if mfu is not None else "MFU n/a"]
+    if record.get("dropped_tokens"):
+        parts.append(f"dropped {record['dropped_tokens']} copies")
     if record.get("peak_memory_gib") is not None:
         parts.append(f"peak mem {record['peak_memory_gib']:.2f} GiB")
     return " | ".join(parts)

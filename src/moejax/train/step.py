@@ -102,7 +102,9 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
         new = new._replace(step=state.step + 1)  # the batch is consumed either way
         metrics = {"loss": main, "mtp_loss": mtp, "aux_loss": out.aux_loss,
                    "total_loss": total, "grad_norm": grad_norm, "lr": schedule(state.step),
-                   "finite": finite, **load_balance(out.expert_counts)}
+                   "finite": finite, "dropped_tokens": out.dropped_tokens,
+                   "cross_node_tokens": out.cross_node_tokens,
+                   **load_balance(out.expert_counts)}
         return new, metrics
 
     return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
