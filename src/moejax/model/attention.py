@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import ModelConfig
+from moejax.memory.remat import MLA_UP_PROJECTION, tag
 from moejax.model.layers import Linear, RMSNorm
 from moejax.model.rope import apply_rope, softmax_scale
 
@@ -39,7 +40,7 @@ class MLAttention(nnx.Module):
     def _queries(self, x: jax.Array) -> jax.Array:
         if self.config.q_lora_rank is None:
             return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return tag(self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))), MLA_UP_PROJECTION)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         c = self.config
@@ -51,7 +52,8 @@ class MLAttention(nnx.Module):
         latent_and_rope = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(latent_and_rope[..., :c.kv_lora_rank])
         k_rope = latent_and_rope[..., c.kv_lora_rank:][:, :, None, :]
-        kv = self.kv_b_proj(latent).reshape(batch, seq, heads, c.qk_nope_head_dim + c.v_head_dim)
+        kv = tag(self.kv_b_proj(latent), MLA_UP_PROJECTION).reshape(
+            batch, seq, heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
 
         q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)

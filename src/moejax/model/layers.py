@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.memory.remat import NORM_OUTPUT, SWIGLU_OUTPUT, tag
+
 
 class Linear(nnx.Module):
     """``y = x @ kernel`` without bias; kernel is (in, out), products accumulate in FP32."""
@@ -30,7 +32,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in FP32; the result keeps the input's dtype."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * normed.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+    out = weight.astype(jnp.float32) * normed.astype(x.dtype).astype(jnp.float32)
+    return tag(out.astype(x.dtype), NORM_OUTPUT)
 
 
 class RMSNorm(nnx.Module):
@@ -44,7 +47,8 @@ class RMSNorm(nnx.Module):
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """SiLU-gated linear unit, computed in FP32 and returned in the inputs' dtype."""
-    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+    out = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+    return tag(out.astype(gate.dtype), SWIGLU_OUTPUT)
 
 
 class DenseMLP(nnx.Module):

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.config import ModelConfig
+from moejax.config import ConfigError, ModelConfig
+from moejax.memory.remat import POLICIES, with_policy
 from moejax.model.decoder import BlockOutput, DecoderBlock
 from moejax.model.layers import Linear, RMSNorm
 from moejax.model.rope import rope_tables
@@ -48,8 +49,9 @@ def _stacked_blocks(count: int, make: Callable[[nnx.Rngs], DecoderBlock],
 
 
 def _run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array,
-               biases: jax.Array) -> BlockOutput:
-    """Scans h through the stacked blocks; returns per-block counts and balance losses."""
+               biases: jax.Array, remat: str) -> BlockOutput:
+    """Scans h through the stacked blocks (each under the ``remat`` policy); returns the
+    per-block routing stats stacked."""
     graphdef, state = nnx.split(stack)
 
     def step(carry: jax.Array, xs: tuple) -> tuple[jax.Array, RoutingStats]:
@@ -57,7 +59,7 @@ def _run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array
         out = nnx.merge(graphdef, block_state)(carry, cos, sin, bias)
         return out.h, out.stats
 
-    h, per_block = jax.lax.scan(step, h, (state, biases))
+    h, per_block = jax.lax.scan(with_policy(step, remat), h, (state, biases))
     return BlockOutput(h, per_block)
 
 
@@ -86,8 +88,12 @@ class MTPModule(nnx.Module):
 
 class DeepseekV3(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.bfloat16,
-                 param_dtype: jnp.dtype = jnp.float32) -> None:
+                 param_dtype: jnp.dtype = jnp.float32, remat: str = "none") -> None:
+        """``remat``: the recompute policy of every block (``moejax.memory.remat``)."""
         c = config
+        if remat not in POLICIES:
+            raise ConfigError(f"remat={remat!r}: must be one of {POLICIES}")
+        self.remat = remat
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.config = config
         self.dtype = dtype
@@ -130,9 +136,10 @@ class DeepseekV3(nnx.Module):
         rows: list[RoutingStats] = []  # per MoE block, each with a leading block axis
         if self.dense_blocks is not None:
             no_bias = jnp.zeros((c.first_k_dense_replace, c.n_routed_experts), jnp.float32)
-            h = _run_stack(self.dense_blocks, h, cos, sin, no_bias).h
+            h = _run_stack(self.dense_blocks, h, cos, sin, no_bias, self.remat).h
         if self.moe_blocks is not None:
-            h, stats = _run_stack(self.moe_blocks, h, cos, sin, biases[:c.num_moe_layers])
+            h, stats = _run_stack(self.moe_blocks, h, cos, sin, biases[:c.num_moe_layers],
+                                  self.remat)
             rows.append(stats)
         logits = self.head(self.norm(h))
 

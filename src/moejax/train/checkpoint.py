@@ -26,7 +26,7 @@ CONFIG_FILE = "config.json"
 # Settings that may differ between a run and its resumption: length, cadence, logging, and
 # the device layout (a checkpoint restores onto any mesh).
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                     "train.nonfinite", "train.peak_tflops", "train.zero_stage",
+                     "train.nonfinite", "train.peak_tflops", "train.zero_stage", "train.remat",
                      "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
                      "mesh.pipe", "mesh.data", "mesh.expert", "mesh.tensor",
                      "expert_parallel.transport", "expert_parallel.devices_per_node"}

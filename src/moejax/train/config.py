@@ -15,6 +15,7 @@ import typing
 from typing import Any
 
 from moejax.config import ConfigError, ModelConfig, MODEL_PRESETS, get_model_preset
+from moejax.memory.remat import POLICIES as REMAT_POLICIES
 from moejax.parallel.expert import ExpertParallelOptions
 from moejax.parallel.mesh import MeshSpec
 
@@ -64,6 +65,7 @@ class TrainConfig:
     peak_tflops: float | None = None  # per-device peak for MFU; None: guess from the device
     # 3: params, grads and optimizer state sharded over `data` (FSDP); 1: optimizer only
     zero_stage: int = 3
+    remat: str = "none"  # recompute policy: none | selective | full (moejax.memory.remat)
 
     def __post_init__(self) -> None:
         _check_positive_int("train", self, ("steps", "batch_size", "seq_len", "log_every",
@@ -92,7 +94,8 @@ class TrainConfig:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             _fail("train.peak_tflops", self.peak_tflops, "must be > 0 or None")
         for name, allowed in (("schedule", SCHEDULES), ("moments_dtype", DTYPES),
-                              ("compute_dtype", DTYPES), ("nonfinite", NONFINITE_POLICIES)):
+                              ("compute_dtype", DTYPES), ("nonfinite", NONFINITE_POLICIES),
+                              ("remat", REMAT_POLICIES)):
             if getattr(self, name) not in allowed:
                 _fail(f"train.{name}", getattr(self, name), f"must be one of {list(allowed)}")
         if self.zero_stage not in (1, 3):

@@ -32,7 +32,8 @@ class TrainState(NamedTuple):
 
 def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
     return DeepseekV3(cfg.model, rngs=nnx.Rngs(params=key),
-                      dtype=jnp.dtype(cfg.train.compute_dtype), param_dtype=jnp.float32)
+                      dtype=jnp.dtype(cfg.train.compute_dtype), param_dtype=jnp.float32,
+                      remat=cfg.train.remat)
 
 
 def state_initializer(cfg: ExperimentConfig) -> tuple[nnx.GraphDef,
