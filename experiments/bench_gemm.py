@@ -1,0 +1,404 @@
+"""GEMM benchmark: our Pallas kernels vs XLA, JAX's Mosaic GPU example and torch.
+
+    python -m experiments.bench_gemm [--quick] [--tune] [--json PATH]
+
+Prints one row per (op, shape): TFLOP/s, the floor time (METHOD.md: max of FLOPs
+over peak and bytes over bandwidth), the ratio to each comparator and the error.
+Torch comparators (cuBLAS bf16, cuBLASLt block-scaled FP8, torch._grouped_mm,
+torch._scaled_grouped_mm) run first in a subprocess, since both frameworks grab
+GPU memory; rows say "absent" where torch or an op is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H100 SXM datasheet, dense
+PEAK_BW = 3.35e12  # HBM3 datasheet bytes/s
+M_DENSE = 8192
+DENSE_NK = [(8192, 8192), (2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)]
+GROUPED = [(8, 32768, 7168, 4096), (8, 32768, 2048, 7168), (64, 65536, 2048, 1408)]
+
+
+def dense_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
+    """(pass, M, N, K) of fprop, dgrad and wgrad for each projection."""
+    out = []
+    for n, k in DENSE_NK[:2] if quick else DENSE_NK:
+        m = M_DENSE
+        for name, shape in (("fprop", (m, n, k)), ("dgrad", (m, k, n)), ("wgrad", (n, k, m))):
+            if (m, n, k) == (8192, 8192, 8192) and name != "fprop":
+                continue  # cube: all three passes are the same GEMM
+            out.append((name, *shape))
+    return out
+
+
+def group_sizes(g: int, rows: int, seed: int = 0) -> np.ndarray:
+    """Uneven (Dirichlet) sizes in multiples of 16 (torch's grouped kernels need it)."""
+    p = np.random.default_rng(seed).dirichlet(np.ones(g))
+    sizes = np.floor(p * rows / 16).astype(np.int64) * 16
+    sizes[np.argmax(sizes)] += rows - sizes.sum()
+    return sizes.astype(np.int32)
+
+
+def median_time(fn: Callable[[], object], sync: Callable[[object], object], iters: int = 20) -> float:
+    for _ in range(3):
+        sync(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        sync(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- torch side
+def torch_worker(quick: bool) -> dict[str, float | str]:
+    """Seconds per call of each torch comparator, keyed like the JAX rows."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = "cuda"
+    res: dict[str, float | str] = {}
+
+    def timed(key: str, fn: Callable[[], object]) -> None:
+        try:
+            res[key] = median_time(fn, lambda _: torch.cuda.synchronize())
+        except Exception as e:  # an op missing or refusing a layout is a result too
+            res[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+
+    def fp8_1x128(x):  # (R, C) -> fp8, scale (R, C/128)
+        t = x.float().reshape(x.shape[0], -1, 128)
+        s = t.abs().amax(-1).clamp(min=1e-12) / 448.0
+        return (t / s[..., None]).to(torch.float8_e4m3fn).reshape(x.shape), s
+
+    def fp8_128x128(w):
+        n, k = w.shape
+        t = w.float().reshape(n // 128, 128, k // 128, 128)
+        s = t.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
+        return (t / s[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k), s
+
+    for name, m, n, k in dense_shapes(quick):
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        timed(f"cublas_bf16/{name}/{m}x{n}x{k}", lambda: a @ w.t())
+        try:
+            from torch.nn.functional import ScalingType
+            aq, as_ = fp8_1x128(a)
+            npad = -n % 128
+            wq, ws = fp8_128x128(torch.nn.functional.pad(w, (0, 0, 0, npad)))
+            wq = wq[:n]
+            timed(f"cublaslt_fp8_block/{name}/{m}x{n}x{k}", lambda: F.scaled_mm(
+                aq, wq.t(), as_.t().contiguous().t(), ScalingType.BlockWise1x128,
+                ws.t(), ScalingType.BlockWise128x128, output_dtype=torch.bfloat16))
+        except Exception as e:
+            res[f"cublaslt_fp8_block/{name}/{m}x{n}x{k}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        del a, w
+    for g, rows, k, n in GROUPED[:1] if quick else GROUPED:
+        sizes = torch.tensor(group_sizes(g, rows), device=dev)
+        offs = torch.cumsum(sizes, 0).to(torch.int32)
+        x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+        dy = torch.randn(rows, n, device=dev, dtype=torch.bfloat16)
+        w_nk = torch.randn(g, n, k, device=dev, dtype=torch.bfloat16)  # (G, K, N) column-major view
+        key = f"{g}x{rows}x{k}->{n}"
+        timed(f"torch_grouped_mm/fwd/{key}", lambda: torch._grouped_mm(x, w_nk.transpose(1, 2), offs=offs))
+        w_kn = w_nk.transpose(1, 2).contiguous()  # dgrad: dy @ w^T, w^T column-major
+        timed(f"torch_grouped_mm/dgrad/{key}", lambda: torch._grouped_mm(dy, w_kn.transpose(1, 2), offs=offs))
+        xt = x.t().contiguous()
+        dy_cm = dy.t().contiguous().t()
+        timed(f"torch_grouped_mm/wgrad/{key}", lambda: torch._grouped_mm(xt, dy_cm, offs=offs))
+        xq = x.to(torch.float8_e4m3fn)
+        wq = w_nk.to(torch.float8_e4m3fn)
+        sx = torch.ones(rows, device=dev, dtype=torch.float32)
+        sw = torch.ones(g, n, device=dev, dtype=torch.float32)
+        timed(f"torch_scaled_grouped_mm/fwd/{key}", lambda: torch._scaled_grouped_mm(
+            xq, wq.transpose(1, 2), sx, sw, offs=offs, out_dtype=torch.bfloat16))
+        del x, dy, w_nk, w_kn, xt, dy_cm, xq, wq
+    return res
+
+
+def run_torch(quick: bool) -> dict[str, float | str]:
+    cmd = [sys.executable, "-m", "experiments.bench_gemm", "--torch-worker"] + (["--quick"] if quick else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    except Exception as e:
+        print(f"torch worker did not run: {e}")
+        return {}
+    for line in out.stdout.splitlines():
+        if line.startswith("TORCHJSON "):
+            return json.loads(line[len("TORCHJSON "):])
+    print("torch comparators absent:", (out.stderr or out.stdout)[-400:])
+    return {}
+
+
+# ----------------------------------------------------------------------------- jax side
+@dataclasses.dataclass
+class Row:
+    op: str
+    shape: str
+    flops: float
+    bytes: float
+    dtype: str
+    seconds: float | str
+    err: float | None = None
+    vs: dict[str, float | str] = dataclasses.field(default_factory=dict)
+
+    def floor_s(self) -> float:
+        return max(self.flops / (PEAK_TFLOPS[self.dtype] * 1e12), self.bytes / PEAK_BW)
+
+
+def bind(fn: Callable, *args) -> Callable[[], object]:
+    """jit fn and bind its arrays as arguments (closing over them would make them
+    compile-time constants: huge modules and slow constant folding)."""
+    import functools
+
+    import jax
+    return functools.partial(jax.jit(fn), *args)
+
+
+def tflops(flops: float, s: float | str) -> float | str:
+    return flops / s / 1e12 if isinstance(s, float) else s
+
+
+def rel_err(out_fn: Callable[[], object], ref_fn: Callable[[], object]) -> float | None:
+    """Relative Frobenius error; None (printed "-") if either side fails to run."""
+    import jax.numpy as jnp
+    try:
+        out, ref = jnp.asarray(out_fn(), jnp.float32), jnp.asarray(ref_fn(), jnp.float32)
+    except Exception as e:
+        print(f"error check failed: {type(e).__name__}: {str(e)[:300]}")
+        return None
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def jax_rows(quick: bool, torch_res: dict, cfgs: dict) -> list[Row]:
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    from pallas_kernels import triton_gemm as tg
+    from pallas_kernels.quantize import dequantize
+
+    sync = jax.block_until_ready
+    hi = jax.lax.Precision.HIGHEST
+    key = iter(jax.random.split(jax.random.key(0), 10_000))
+    qw = jax.jit(jax.vmap(pk.quantize_128x128))
+
+    def tq(name: str) -> float | str:
+        try:
+            return median_time(fns[name], sync)
+        except Exception as e:
+            return f"failed: {type(e).__name__}: {str(e)[:100]}"
+
+    rows: list[Row] = []
+    for name, m, n, k in dense_shapes(quick):
+        shape = f"{m}x{n}x{k}"
+        a = jax.random.normal(next(key), (m, k), jnp.bfloat16)
+        w = jax.random.normal(next(key), (n, k), jnp.bfloat16)
+        aq, as_ = pk.quantize_1x128(a)
+        wq, ws = pk.quantize_128x128(w)
+        ours = bind(lambda aq, as_, wq, ws: tg.grouped_matmul(
+            aq, wq[None], jnp.array([aq.shape[0]], jnp.int32), a_scale=as_, b_scale=ws[None],
+            cfg=cfgs["fp8"]), aq, as_, wq, ws)
+        fns = {"ours": ours, "xla_bf16": bind(lambda a, w: a @ w.T, a, w)}
+        err = rel_err(ours, bind(lambda aq, as_, wq, ws: jnp.dot(
+            dequantize(aq, as_, 1), dequantize(wq, ws, 128).T, precision=hi), aq, as_, wq, ws))
+        if (m, n, k) == (8192, 8192, 8192):
+            print("fp8_gemm 8192^3 error vs unquantized f32 product:", rel_err(ours, bind(
+                lambda a, w: jnp.dot(a.astype(jnp.float32), w.astype(jnp.float32).T, precision=hi), a, w)))
+        t_ours, t_xla = tq("ours"), tq("xla_bf16")
+        vs = {"xla_bf16": t_xla}
+        for tk in ("cublas_bf16", "cublaslt_fp8_block"):
+            vs[tk] = torch_res.get(f"{tk}/{name}/{shape}", "absent")
+        emit(rows, Row(f"fp8_gemm {name}", shape, 2.0 * m * n * k, m * k + n * k + 2 * m * n + 4 * m * k / 128,
+                        "fp8", t_ours, err, vs))
+        del a, w, aq, wq
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    for g, rows_, k, n in GROUPED[:1] if quick else GROUPED:
+        gkey = f"{g}x{rows_}x{k}->{n}"
+        sizes = jnp.asarray(group_sizes(g, rows_))
+        x = jax.random.normal(next(key), (rows_, k), jnp.bfloat16)
+        dy = jax.random.normal(next(key), (rows_, n), jnp.bfloat16)
+        b = jax.random.normal(next(key), (g, k, n), jnp.bfloat16)  # ragged_dot layout
+        flops = 2.0 * rows_ * k * n
+        passes = {
+            "fwd": dict(
+                ours=lambda x, dy, b, sizes: tg.grouped_matmul(x, b, sizes, b_kn=True, cfg=cfgs["bf16"]),
+                ragged_dot=lambda x, dy, b, sizes: jax.lax.ragged_dot(x, b, sizes),
+                mgpu_example=lambda x, dy, b, sizes: ragged_dot_mgpu.ragged_dot(
+                    x, b, group_sizes=sizes, block_m=128, block_n=128, block_k=64,
+                    max_concurrent_steps=4, grid_block_n=1),
+                ref=lambda x, dy, b, sizes: jax.lax.ragged_dot(x.astype(jnp.float32), b.astype(jnp.float32), sizes, precision=hi)),
+            "dgrad": dict(
+                ours=lambda x, dy, b, sizes: tg.grouped_matmul(dy, b, sizes, b_kn=False, cfg=cfgs["bf16"]),
+                ragged_dot=lambda x, dy, b, sizes: jax.lax.ragged_dot(dy, jnp.swapaxes(b, 1, 2), sizes),
+                mgpu_example=lambda x, dy, b, sizes: ragged_dot_mgpu.ragged_dot(
+                    dy, b, group_sizes=sizes, block_m=128, block_n=128, block_k=64,
+                    max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True),
+                ref=lambda x, dy, b, sizes: jax.lax.ragged_dot(dy.astype(jnp.float32), jnp.swapaxes(b, 1, 2).astype(jnp.float32),
+                                               sizes, precision=hi)),
+            "wgrad": dict(
+                ours=lambda x, dy, b, sizes: tg.grouped_matmul_tn(x, dy, sizes, token_major=True, cfg=cfgs["bf16_tn"]),
+                ragged_dot=lambda x, dy, b, sizes: jax.vjp(lambda bb: jax.lax.ragged_dot(x, bb, sizes), b)[1](dy)[0],
+                ref=lambda x, dy, b, sizes: jax.vjp(lambda bb: jax.lax.ragged_dot(x.astype(jnp.float32), bb, sizes, precision=hi),
+                                    b.astype(jnp.float32))[1](dy.astype(jnp.float32))[0]),
+        }
+        for pname, pf in passes.items():
+            fns = {kk: bind(v, x, dy, b, sizes) for kk, v in pf.items() if kk != "ref"}
+            err = rel_err(fns["ours"], bind(pf["ref"], x, dy, b, sizes))
+            vs = {kk: tq(kk) for kk in fns if kk != "ours"}
+            vs["torch_grouped_mm"] = torch_res.get(f"torch_grouped_mm/{pname}/{gkey}", "absent")
+            io = (rows_ * k + g * k * n + rows_ * n) * 2
+            emit(rows, Row(f"grouped_gemm bf16 {pname}", gkey, flops, io, "bf16", tq("ours"), err, vs))
+        # FP8 grouped (fwd, dgrad: K-major weights) and the equal-FLOP dense FP8 GEMM.
+        xq, xs = pk.quantize_1x128(x)
+        dyq, dys = pk.quantize_1x128(dy)
+        w_nk = jnp.swapaxes(b, 1, 2)  # (G, N, K)
+        wq, ws = qw(w_nk)
+        bq, bs = qw(b)  # (G, K, N): dgrad's K-major weights
+        fp8_passes = {
+            "fwd": (xq, xs, wq, ws, (x, w_nk)),
+            "dgrad": (dyq, dys, bq, bs, (dy, b)),
+        }
+        for pname, (aq, as_, wq_, ws_, _) in fp8_passes.items():
+            ours = bind(lambda aq, as_, wq_, ws_, sizes: tg.grouped_matmul(
+                aq, wq_, sizes, a_scale=as_, b_scale=ws_, cfg=cfgs["fp8"]), aq, as_, wq_, ws_, sizes)
+            mm, kk_ = aq.shape
+            nn = wq_.shape[1]
+            dq, dqs = pk.quantize_1x128(jax.random.normal(next(key), (mm, kk_), jnp.bfloat16))
+            dw, dws = pk.quantize_128x128(jax.random.normal(next(key), (nn, kk_), jnp.bfloat16))
+            dense = bind(lambda dq, dqs, dw, dws: tg.grouped_matmul(
+                dq, dw[None], jnp.array([dq.shape[0]], jnp.int32), a_scale=dqs, b_scale=dws[None],
+                cfg=cfgs["fp8"]), dq, dqs, dw, dws)
+            ref = bind(lambda aq, as_, wq_, ws_, sizes: jax.lax.ragged_dot(
+                dequantize(aq, as_, 1), jnp.swapaxes(dequantize(wq_, ws_, 128), 1, 2), sizes, precision=hi),
+                aq, as_, wq_, ws_, sizes)
+            err = rel_err(ours, ref)
+            fns = {"ours": ours, "dense_fp8_ours": dense}
+            vs = {"dense_fp8_ours": tq("dense_fp8_ours"),
+                  "torch_scaled_grouped_mm": torch_res.get(f"torch_scaled_grouped_mm/{pname}/{gkey}", "absent")}
+            io = rows_ * kk_ + g * kk_ * nn + rows_ * nn * 2
+            emit(rows, Row(f"fp8_grouped_gemm {pname}", gkey, flops, io, "fp8", tq("ours"), err, vs))
+        xtq, xts = pk.quantize_1x128(x.T)
+        dytq, dyts = pk.quantize_1x128(dy.T)
+        fns = {"ours": bind(lambda dytq, xtq, dyts, xts, sizes: tg.grouped_matmul_tn(
+            dytq, xtq, sizes, x_scale=dyts, y_scale=xts, token_major=False, cfg=cfgs["fp8"]),
+            dytq, xtq, dyts, xts, sizes)}
+        err = rel_err(lambda: jnp.swapaxes(fns["ours"](), 1, 2), bind(
+            lambda dytq, xtq, dyts, xts, sizes: jax.vjp(
+                lambda bb: jax.lax.ragged_dot(dequantize(xtq, xts, 1).T, bb, sizes, precision=hi),
+                jnp.zeros((g, k, n), jnp.float32))[1](dequantize(dytq, dyts, 1).T)[0],
+            dytq, xtq, dyts, xts, sizes))
+        io = rows_ * k + g * k * n * 2 + rows_ * n
+        emit(rows, Row("fp8_grouped_gemm wgrad", gkey, flops, io, "fp8", tq("ours"), err, {}))
+        del x, dy, b, xq, dyq, wq, bq, xtq, dytq
+    return rows
+
+
+def tune(cands: dict[str, list]) -> dict:
+    """Pick the fastest TileConfig per kernel family on one representative shape."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    from pallas_kernels import triton_gemm as tg
+
+    kx, kw = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(kx, (8192, 7168), jnp.bfloat16)
+    w = jax.random.normal(kw, (8, 7168, 4096), jnp.bfloat16)
+    sizes = jnp.asarray(group_sizes(8, 8192))
+    aq, as_ = pk.quantize_1x128(a)
+    wq, ws = jax.vmap(pk.quantize_128x128)(jnp.swapaxes(w, 1, 2))
+    calls = {  # (aq, as_, wq, ws, a, w, cfg); dy and sizes are small-rank stand-ins below
+        "fp8": lambda aq, as_, wq, ws, a, w, c: tg.grouped_matmul(aq, wq, sizes, a_scale=as_, b_scale=ws, cfg=c),
+        "bf16": lambda aq, as_, wq, ws, a, w, c: tg.grouped_matmul(a, w, sizes, b_kn=True, cfg=c),
+        "bf16_tn": lambda aq, as_, wq, ws, a, w, c: tg.grouped_matmul_tn(a, a[:, :4096], sizes, token_major=True, cfg=c),
+    }
+    best = {}
+    for fam, cs in cands.items():
+        results = []
+        for c in cs:
+            try:
+                f = functools.partial(jax.jit(calls[fam], static_argnums=6), aq, as_, wq, ws, a, w, c)
+                t = median_time(f, jax.block_until_ready, iters=10)
+            except Exception as e:
+                print(f"tune {fam} {c}: failed {type(e).__name__}: {str(e)[:200]}")
+                continue
+            print(f"tune {fam} {c}: {2 * 8192 * 7168 * 4096 / t / 1e12:.0f} TFLOP/s")
+            results.append((t, c))
+        best[fam] = min(results, key=lambda r: r[0])[1] if results else cs[0]
+    return best
+
+
+HEADER = (f"{'op':28} {'shape':24} {'TFLOP/s':>8} {'floor_us':>9} {'us':>9} {'err':>9}  "
+          "ratios: ours/other (other's TFLOP/s)")
+
+
+def format_row(r: Row) -> str:
+    def ratio(v: float | str) -> str:
+        both = isinstance(v, float) and isinstance(r.seconds, float)
+        return f"{v / r.seconds:.2f}x" if both else "n/a"
+
+    ratios = "  ".join(f"{k}={ratio(v)}({fmt(v, r.flops)})" for k, v in r.vs.items())
+    us = f"{r.seconds * 1e6:.0f}" if isinstance(r.seconds, float) else str(r.seconds)[:40]
+    err = f"{r.err:.2e}" if r.err is not None else "-"
+    return f"{r.op:28} {r.shape:24} {fmt(r.seconds, r.flops):>8} {r.floor_s() * 1e6:9.0f} {us:>9} {err:>9}  {ratios}"
+
+
+def emit(rows: list[Row], row: Row) -> None:
+    """Record a row and print it at once, so a run cut short still reports it."""
+    rows.append(row)
+    print(format_row(row), flush=True)
+
+
+def fmt(v: float | str, flops: float) -> str:
+    return f"{tflops(flops, v):.0f}" if isinstance(v, float) else str(v)[:40]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--torch-worker", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="first shapes only")
+    ap.add_argument("--tune", action="store_true", help="sweep tile configs first")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.torch_worker:
+        print("TORCHJSON " + json.dumps(torch_worker(args.quick)))
+        return
+    torch_res = run_torch(args.quick)
+    import jax
+
+    from pallas_kernels import triton_gemm as tg
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; our backend: triton (Pallas)")
+    TC = tg.TileConfig
+    cands = {
+        "fp8": [tg.FP8_CONFIG, TC(128, 256, 128, 8, 8, 3), TC(128, 128, 128, 8, 4, 4),
+                TC(256, 128, 128, 8, 8, 3), TC(128, 256, 128, 8, 8, 4)],
+        "bf16": [tg.BF16_CONFIG, TC(128, 256, 64, 8, 8, 3), TC(128, 128, 64, 8, 8, 3),
+                 TC(256, 128, 64, 8, 8, 3), TC(128, 256, 64, 8, 8, 4)],
+        "bf16_tn": [tg.BF16_TN_CONFIG, tg.BF16_CONFIG, TC(128, 128, 128, 8, 8, 3)],
+    }
+    cfgs = tune(cands) if args.tune else {k: v[0] for k, v in cands.items()}
+    print("configs:", cfgs)
+    print(HEADER)
+    rows = jax_rows(args.quick, torch_res, cfgs)
+    print(HEADER)
+    for r in rows:
+        print(format_row(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

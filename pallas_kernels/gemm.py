@@ -1,0 +1,84 @@
+"""Public GEMM ops: block-scaled FP8 (dense and grouped) and the BF16 grouped GEMM.
+
+Shapes are checked here with errors that name them; the kernels handle sizes that
+are not multiples of their tiles (masking, or zero-padding K).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.backend import ops
+from pallas_kernels.quantize import FP8, TILE, cdiv
+
+
+def _expect(name: str, arr: jax.Array, shape: tuple[int, ...], dtype=None) -> None:
+    if arr.shape != shape:
+        raise ValueError(f"{name} has shape {arr.shape}; expected {shape}")
+    if dtype is not None and arr.dtype != dtype:
+        raise ValueError(f"{name} has dtype {arr.dtype}; expected {jnp.dtype(dtype)}")
+
+
+def scaled_matmul(a, a_scale, b, b_scale, group_sizes, *, b_row_tile: int,
+                  out_dtype=jnp.bfloat16) -> jax.Array:
+    """Grouped dequant(a) @ dequant(b[g])^T for FP8 a (M, K) and b (G, N, K).
+
+    b_row_tile=128: b has 128x128 block scales (G, N/128, K/128) (weights);
+    b_row_tile=1: b has 1x128 scales (G, N, K/128) (activations, as in wgrad).
+    """
+    (m, k), (g, n, _) = a.shape, b.shape
+    kb = cdiv(k, TILE)
+    _expect("a", a, (m, k), FP8)
+    _expect("b", b, (g, n, k), FP8)
+    _expect("a_scale", a_scale, (m, kb), jnp.float32)
+    _expect("b_scale", b_scale, (g, cdiv(n, b_row_tile), kb), jnp.float32)
+    _expect("group_sizes", group_sizes, (g,))
+    return ops().grouped_matmul(a, b, group_sizes.astype(jnp.int32), a_scale=a_scale,
+                                b_scale=b_scale, b_row_tile=b_row_tile, out_dtype=out_dtype)
+
+
+def fp8_gemm(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16) -> jax.Array:
+    """(M, N) = dequant(a) @ dequant(b)^T; a (M, K) 1x128-scaled, b (N, K) 128x128-scaled."""
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"fp8_gemm wants 2-D a and b, got {a.shape} and {b.shape}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_gemm: K differs: a {a.shape}, b {b.shape}")
+    sizes = jnp.array([a.shape[0]], jnp.int32)
+    return scaled_matmul(a, a_scale, b[None], b_scale[None], sizes, b_row_tile=TILE,
+                         out_dtype=out_dtype)
+
+
+def fp8_grouped_gemm(a, a_scale, b, b_scale, group_sizes, out_dtype=jnp.bfloat16):
+    """Row r of group g: dequant(a[r]) @ dequant(b[g])^T; rows past sum(group_sizes) are 0."""
+    if a.ndim != 2 or b.ndim != 3 or a.shape[1] != b.shape[2]:
+        raise ValueError(f"fp8_grouped_gemm wants a (M, K), b (G, N, K); got {a.shape}, {b.shape}")
+    return scaled_matmul(a, a_scale, b, b_scale, group_sizes, b_row_tile=TILE,
+                         out_dtype=out_dtype)
+
+
+@jax.custom_vjp
+def grouped_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """BF16 drop-in for jax.lax.ragged_dot(a (M, K), b (G, K, N), group_sizes) -> (M, N)."""
+    if a.ndim != 2 or b.ndim != 3 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"grouped_gemm wants a (M, K), b (G, K, N); got {a.shape}, {b.shape}")
+    _expect("group_sizes", group_sizes, (b.shape[0],))
+    return ops().grouped_matmul(a, b, group_sizes.astype(jnp.int32), b_kn=True,
+                                out_dtype=a.dtype)
+
+
+def _grouped_gemm_fwd(a, b, group_sizes):
+    return grouped_gemm(a, b, group_sizes), (a, b, group_sizes)
+
+
+def _grouped_gemm_bwd(res, dy):
+    a, b, group_sizes = res
+    sizes = group_sizes.astype(jnp.int32)
+    dy = dy.astype(a.dtype)
+    # dgrad: dA[r] = dY[r] @ b[g]^T, i.e. b (G, K, N) read as (G, out=K, contract=N).
+    da = ops().grouped_matmul(dy, b, sizes, b_kn=False, out_dtype=a.dtype)
+    # wgrad: dB[g] = A_g^T dY_g, contracting over the group's rows.
+    db = ops().grouped_matmul_tn(a, dy, sizes, token_major=True, out_dtype=b.dtype)
+    return da, db, None
+
+
+grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)

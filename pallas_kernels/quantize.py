@@ -1,0 +1,73 @@
+"""Online fine-grained FP8 (E4M3) quantization, DeepSeek-V3 style.
+
+Activations and gradients get one FP32 scale per 1x128 tile along the contraction
+axis, weights one per 128x128 block. Scales are computed from the current values
+(no delayed scaling), so the quantizer is a pure function of its input.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+TILE = 128
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pad_to_tiles(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    pad = [(0, 0)] * x.ndim
+    for ax in axes:
+        pad[ax] = (0, cdiv(x.shape[ax], TILE) * TILE - x.shape[ax])
+    return jnp.pad(x, pad)
+
+
+def _scale_from_amax(amax: jax.Array) -> jax.Array:
+    # An all-zero tile gets scale 1 (any value dequantizes zeros exactly); NaN/inf
+    # stay non-finite so they propagate into the product instead of vanishing.
+    return jnp.where(amax == 0, 1.0, amax / FP8_MAX).astype(jnp.float32)
+
+
+def _to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+@jax.jit
+def quantize_1x128(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x (M, K) -> (x_fp8 (M, K), scale (M, ceil(K/128))); x ~= x_fp8 * scale per tile."""
+    m, k = x.shape
+    xp = _pad_to_tiles(x.astype(jnp.float32), (1,)).reshape(m, -1, TILE)
+    scale = _scale_from_amax(jnp.max(jnp.abs(xp), axis=-1))
+    q = _to_fp8(xp, scale[..., None]).reshape(m, -1)[:, :k]
+    return q, scale
+
+
+@jax.jit
+def quantize_128x128(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w (N, K) -> (w_fp8 (N, K), scale (ceil(N/128), ceil(K/128))) per 128x128 block."""
+    n, k = w.shape
+    wp = _pad_to_tiles(w.astype(jnp.float32), (0, 1))
+    nb, kb = wp.shape[0] // TILE, wp.shape[1] // TILE
+    blocks = wp.reshape(nb, TILE, kb, TILE)
+    scale = _scale_from_amax(jnp.max(jnp.abs(blocks), axis=(1, 3)))
+    q = _to_fp8(blocks, scale[:, None, :, None]).reshape(nb * TILE, kb * TILE)[:n, :k]
+    return q, scale
+
+
+def expand_scale(scale: jax.Array, shape: tuple[int, int], row_tile: int) -> jax.Array:
+    """Per-element FP32 scale of a (rows, cols) operand from its tile scales.
+
+    row_tile is 1 for 1x128 scales and 128 for 128x128 blocks; columns are always
+    tiled by 128 (the contraction axis).
+    """
+    rows, cols = shape
+    full = jnp.repeat(jnp.repeat(scale, row_tile, axis=-2), TILE, axis=-1)
+    return full[..., :rows, :cols]
+
+
+def dequantize(q: jax.Array, scale: jax.Array, row_tile: int) -> jax.Array:
+    """FP32 value of a quantized (..., rows, cols) operand (row_tile as in expand_scale)."""
+    return q.astype(jnp.float32) * expand_scale(scale, q.shape[-2:], row_tile)

@@ -1,0 +1,207 @@
+"""GEMM kernels vs float64 on the same dequantized inputs (CPU: reference + interpret).
+
+Fresh random inputs per check, outputs poisoned with NaN before kernel runs, uneven
+group sizes including 0, 1, 127 and 129 rows.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import triton_gemm as tg
+from pallas_kernels.quantize import dequantize
+
+SMALL = tg.TileConfig(block_m=32, block_n=32, block_k=128, num_warps=4, num_stages=2)
+SIZES = np.array([0, 1, 127, 129, 40], np.int32)  # sums to 297
+FP8_TOL = 1e-3
+
+
+def _rng(request) -> np.random.Generator:
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+def _normal(rng, shape, dtype=jnp.bfloat16) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _rel(out, ref64: np.ndarray) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    assert np.all(np.isfinite(out)), "non-finite output (unwritten poisoned element?)"
+    return float(np.linalg.norm(out - ref64) / np.linalg.norm(ref64))
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _grouped_ref64(a64, b64_gnk, sizes, m):
+    out = np.zeros((m, b64_gnk.shape[1]))
+    start = 0
+    for g, s in enumerate(sizes):
+        out[start:start + s] = a64[start:start + s] @ b64_gnk[g].T
+        start += s
+    return out
+
+
+def test_quantize_roundtrip_and_layout(request):
+    rng = _rng(request)
+    x = _normal(rng, (5, 300), jnp.float32) * 10
+    q, s = pk.quantize_1x128(x)
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == (5, 300) and s.shape == (5, 3)
+    assert _rel(dequantize(q, s, 1), _f64(x)) < 0.05
+    w = _normal(rng, (200, 256), jnp.float32)
+    wq, ws = pk.quantize_128x128(w)
+    assert wq.shape == (200, 256) and ws.shape == (2, 2)
+    blk = np.abs(_f64(w)[128:, 128:]).max()
+    np.testing.assert_allclose(float(ws[1, 1]), blk / 448.0, rtol=1e-6)
+    assert _rel(dequantize(wq, ws, 128), _f64(w)) < 0.05
+
+
+def test_quantize_propagates_nan():
+    x = jnp.ones((2, 256), jnp.float32).at[0, 3].set(jnp.nan)
+    q, s = pk.quantize_1x128(x)
+    assert np.isnan(float(s[0, 0])) and np.isfinite(np.asarray(s)[1]).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("m,n,k", [(200, 72, 256), (64, 160, 384)])
+def test_fp8_gemm_matches_float64(request, backend, m, n, k):
+    rng = _rng(request)
+    a, b = _normal(rng, (m, k)), _normal(rng, (n, k))
+    aq, as_ = pk.quantize_1x128(a)
+    bq, bs = pk.quantize_128x128(b)
+    with pk.use_backend(backend):
+        out = pk.fp8_gemm(aq, as_, bq, bs, out_dtype=jnp.float32)
+    ref = _f64(dequantize(aq, as_, 1)) @ _f64(dequantize(bq, bs, 128)).T
+    assert out.shape == (m, n)
+    assert _rel(out, ref) <= FP8_TOL
+    print(f"fp8_gemm {m}x{n}x{k} vs unquantized: {_rel(out, _f64(a) @ _f64(b).T):.3e}")
+
+
+def test_fp8_gemm_rejects_bad_shapes(request):
+    rng = _rng(request)
+    aq, as_ = pk.quantize_1x128(_normal(rng, (8, 256)))
+    bq, bs = pk.quantize_128x128(_normal(rng, (16, 128)))
+    with pytest.raises(ValueError, match=r"\(16, 128\)"):
+        pk.fp8_gemm(aq, as_, bq, bs)
+    with pytest.raises(ValueError, match="a_scale"):
+        pk.fp8_gemm(aq, as_[:, :1], *pk.quantize_128x128(_normal(rng, (16, 256))))
+
+
+def test_fp8_gemm_propagates_nan(request):
+    rng = _rng(request)
+    a = _normal(rng, (32, 128)).at[3, 5].set(jnp.nan)
+    aq, as_ = pk.quantize_1x128(a)
+    bq, bs = pk.quantize_128x128(_normal(rng, (32, 128)))
+    with pk.use_backend("interpret"):
+        out = np.asarray(pk.fp8_gemm(aq, as_, bq, bs, out_dtype=jnp.float32))
+    assert np.isnan(out[3]).all() and np.isfinite(np.delete(out, 3, axis=0)).all()
+
+
+def test_kernel_writes_every_element(request):
+    """Poisoned (NaN) output buffers: grouped kernel incl. zero rows past the sum."""
+    rng = _rng(request)
+    m, n, k = 320, 48, 256
+    a, b = _normal(rng, (m, k)), _normal(rng, (len(SIZES), n, k))
+    aq, as_ = pk.quantize_1x128(a)
+    bq, bs = jax.vmap(pk.quantize_128x128)(b)
+    poison = jnp.full((m, n), jnp.nan, jnp.float32)
+    out = tg.grouped_matmul(aq, bq, jnp.asarray(SIZES), a_scale=as_, b_scale=bs,
+                            out_dtype=jnp.float32, cfg=SMALL, interpret=True, out_init=poison)
+    ref = _grouped_ref64(_f64(dequantize(aq, as_, 1)), _f64(dequantize(bq, bs, 128)), SIZES, m)
+    assert np.all(np.asarray(out)[SIZES.sum():] == 0)
+    assert _rel(out, ref) <= FP8_TOL
+    x, y = _normal(rng, (m, 40)), _normal(rng, (m, 24))
+    poison = jnp.full((len(SIZES), 40, 24), jnp.nan, jnp.float32)
+    out = tg.grouped_matmul_tn(x, y, jnp.asarray(SIZES), out_dtype=jnp.float32, cfg=SMALL,
+                               interpret=True, out_init=poison)
+    starts = np.concatenate([[0], np.cumsum(SIZES)[:-1]])
+    ref = np.stack([_f64(x)[s:s + n_].T @ _f64(y)[s:s + n_] for s, n_ in zip(starts, SIZES)])
+    assert np.all(np.asarray(out)[0] == 0)  # the empty group
+    assert _rel(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_fp8_grouped_gemm_matches_float64(request, backend):
+    rng = _rng(request)
+    m, n, k = 320, 72, 256
+    a, b = _normal(rng, (m, k)), _normal(rng, (len(SIZES), n, k))
+    aq, as_ = pk.quantize_1x128(a)
+    bq, bs = jax.vmap(pk.quantize_128x128)(b)
+    with pk.use_backend(backend):
+        out = pk.fp8_grouped_gemm(aq, as_, bq, bs, jnp.asarray(SIZES), out_dtype=jnp.float32)
+    ref = _grouped_ref64(_f64(dequantize(aq, as_, 1)), _f64(dequantize(bq, bs, 128)), SIZES, m)
+    assert _rel(out, ref) <= FP8_TOL
+    assert np.all(np.asarray(out)[SIZES.sum():] == 0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_grouped_gemm_matches_ragged_dot_and_grads(request, backend):
+    rng = _rng(request)
+    m, k, n = 320, 96, 80
+    a, b = _normal(rng, (m, k)), _normal(rng, (len(SIZES), k, n))
+    dy = _normal(rng, (m, n), jnp.float32)
+    sizes = jnp.asarray(SIZES)
+
+    def loss(fn, a, b):
+        return jnp.sum(fn(a, b, sizes).astype(jnp.float32) * dy)
+
+    with pk.use_backend(backend):
+        out = pk.grouped_gemm(a, b, sizes)
+        da, db = jax.grad(lambda a, b: loss(pk.grouped_gemm, a, b), argnums=(0, 1))(a, b)
+    assert out.dtype == jnp.bfloat16
+    ref = _grouped_ref64(_f64(a), np.swapaxes(_f64(b), 1, 2), SIZES, m)
+    assert _rel(out, ref) <= 1e-2
+    ra, rb = jax.grad(lambda a, b: loss(jax.lax.ragged_dot, a, b), argnums=(0, 1))(a, b)
+    assert _rel(da, _f64(ra)) <= 1e-2 and _rel(db, _f64(rb)) <= 1e-2
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_fp8_linear_grads_match_reference(request, backend):
+    rng = _rng(request)
+    x, w = _normal(rng, (160, 256), jnp.float32), _normal(rng, (200, 384), jnp.float32)[:, :256]
+    dy = _normal(rng, (160, 200), jnp.float32)
+
+    def loss(fn, x, w):
+        return jnp.sum(fn(x, w) * dy)
+
+    with pk.use_backend(backend):
+        y = pk.fp8_linear(x, w)
+        dx, dw = jax.grad(lambda x, w: loss(pk.fp8_linear, x, w), argnums=(0, 1))(x, w)
+    exact = jax.grad(lambda x, w: loss(lambda x, w: x @ w.T, x, w), argnums=(0, 1))(x, w)
+    assert _rel(y, _f64(x) @ _f64(w).T) < 0.06  # E4M3 rounding of both operands
+    assert _rel(dx, _f64(exact[0])) < 0.06 and _rel(dw, _f64(exact[1])) < 0.06
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_fp8_grouped_linear_grads(request, backend):
+    rng = _rng(request)
+    m, k, n = 320, 256, 72
+    x, w = _normal(rng, (m, k), jnp.float32), _normal(rng, (len(SIZES), n, k), jnp.float32)
+    dy = _normal(rng, (m, n), jnp.float32)
+    sizes = jnp.asarray(SIZES)
+
+    def loss(fn, x, w):
+        return jnp.sum(fn(x, w, sizes) * dy)
+
+    def exact_fn(x, w, s):
+        return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), s, precision=jax.lax.Precision.HIGHEST)
+
+    with pk.use_backend(backend):
+        got = jax.grad(lambda x, w: loss(pk.fp8_grouped_linear, x, w), argnums=(0, 1))(x, w)
+    exact = jax.grad(lambda x, w: loss(exact_fn, x, w), argnums=(0, 1))(x, w)
+    assert _rel(got[0], _f64(exact[0])) < 0.06 and _rel(got[1], _f64(exact[1])) < 0.06
+    assert np.all(np.asarray(got[0])[SIZES.sum():] == 0)
+
+
+def test_backend_selection_is_visible_and_overridable(monkeypatch):
+    assert pk.backend() in pk.BACKENDS
+    with pk.use_backend("interpret"):
+        assert pk.backend() == "interpret"
+    monkeypatch.setenv("MOEJAX_GEMM_BACKEND", "reference")
+    assert pk.backend() == "reference"
+    with pytest.raises(ValueError, match="mosaic"):
+        pk.set_backend("mosaic")

@@ -1,0 +1,77 @@
+"""The Triton-lowered kernels on a real GPU (run through the device tool: -m gpu)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import triton_gemm as tg
+from pallas_kernels.quantize import dequantize
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
+SIZES = np.array([0, 1, 127, 129, 300, 700], np.int32)  # 1257 of 1300 rows
+
+
+def _rel(out, ref) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    assert np.all(np.isfinite(out))
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _ref64(f, *xs):
+    with jax.default_device(jax.devices("cpu")[0]):
+        return np.asarray(f(*[np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in xs]))
+
+
+@pytest.mark.parametrize("m,n,k", [(1000, 2112, 1024), (512, 640, 7168)])
+def test_fp8_gemm_gpu(m, n, k):
+    ka, kb = jax.random.split(jax.random.key(m + n))
+    aq, as_ = pk.quantize_1x128(jax.random.normal(ka, (m, k), jnp.bfloat16))
+    bq, bs = pk.quantize_128x128(jax.random.normal(kb, (n, k), jnp.bfloat16))
+    poison = jnp.full((m, n), jnp.nan, jnp.float32)
+    out = tg.grouped_matmul(aq, bq[None], jnp.array([m], jnp.int32), a_scale=as_, b_scale=bs[None],
+                            out_dtype=jnp.float32, out_init=poison)
+    ref = _ref64(lambda a, b: a @ b.T, dequantize(aq, as_, 1), dequantize(bq, bs, 128))
+    assert _rel(out, ref) <= 1e-3
+
+
+def test_fp8_grouped_and_wgrad_gpu():
+    m, n, k = 1300, 256, 512
+    ks = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (len(SIZES), n, k), jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (m, n), jnp.bfloat16)
+    sizes = jnp.asarray(SIZES)
+    with pk.use_backend("triton"):
+        got = jax.grad(lambda x, w: jnp.sum(pk.fp8_grouped_linear(x, w, sizes).astype(jnp.float32)
+                                            * dy), argnums=(0, 1))(x, w)
+    with pk.use_backend("reference"):
+        want = jax.grad(lambda x, w: jnp.sum(pk.fp8_grouped_linear(x, w, sizes).astype(jnp.float32)
+                                             * dy), argnums=(0, 1))(x, w)
+    assert _rel(got[0], want[0]) <= 1e-2 and _rel(got[1], want[1]) <= 1e-2
+
+
+def test_grouped_gemm_gpu_grads():
+    m, k, n = 1300, 512, 384
+    ks = jax.random.split(jax.random.key(3), 3)
+    a = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
+    b = jax.random.normal(ks[1], (len(SIZES), k, n), jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (m, n), jnp.float32)
+    sizes = jnp.asarray(SIZES)
+
+    def loss(fn, a, b):
+        return jnp.sum(fn(a, b, sizes).astype(jnp.float32) * dy)
+
+    with pk.use_backend("triton"):
+        out = pk.grouped_gemm(a, b, sizes)
+        da, db = jax.grad(lambda a, b: loss(pk.grouped_gemm, a, b), argnums=(0, 1))(a, b)
+    ref = jax.lax.ragged_dot(a.astype(jnp.float32), b.astype(jnp.float32), sizes,
+                             precision=jax.lax.Precision.HIGHEST)
+    assert _rel(out, ref) <= 1e-2
+    ra, rb = jax.grad(lambda a, b: loss(jax.lax.ragged_dot, a, b), argnums=(0, 1))(
+        a.astype(jnp.float32), b.astype(jnp.float32))
+    assert _rel(da, ra) <= 1e-2 and _rel(db, rb) <= 1e-2
