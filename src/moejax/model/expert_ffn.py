@@ -1,11 +1,16 @@
-"""The routed experts' SwiGLU FFN over expert-sorted rows (grouped matmuls)."""
+"""The routed experts' SwiGLU FFN over expert-sorted rows (grouped matmuls).
+
+The grouped matmuls are ``pallas_kernels.grouped_gemm`` (FP32 accumulation; Pallas kernels
+for forward, dgrad and wgrad on GPU, where XLA's ragged_dot backward materialises a dense
+(experts x rows x hidden) buffer; a pure-JAX reference on CPU).
+"""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
+from pallas_kernels import grouped_gemm
 
 from moejax.model.layers import swiglu
 
@@ -21,8 +26,6 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights)
     are padding and come back as zeros."""
 
     def grouped(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        out = jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes,
-                                 preferred_element_type=jnp.float32)
-        return out.astype(lhs.dtype)
+        return grouped_gemm(lhs, rhs.astype(lhs.dtype), group_sizes)
 
     return grouped(swiglu(grouped(x, weights.gate), grouped(x, weights.up)), weights.down)

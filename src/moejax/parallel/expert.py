@@ -83,6 +83,16 @@ def expert_axis_size() -> int:
     return dict(mesh.shape).get(EXPERT_AXIS, 1) if mesh.axis_names else 1
 
 
+def _varying_over(tree: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
+    """Marks expert weights (replicated over ``axes``) as varying there, so that their
+    gradient from a custom-VJP kernel is summed over those axes by autodiff."""
+    if not axes:
+        return tree
+    if hasattr(jax.lax, "pcast"):  # jax >= 0.10
+        return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
+    return jax.lax.pvary(tree, axes)
+
+
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
     return jnp.cumsum(x) - x
 
@@ -204,6 +214,7 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
         transport = _Padded(capacity, ep)
     tokens, ids, context, dropped = transport.send(rows, sorted_experts % num_local, dest,
                                                    per_dest, num_local)
+    weights = _varying_over(weights, tuple(a for a in batch_axes if a != EXPERT_AXIS))
     y_rows = transport.send_back(run_experts(tokens, ids, num_local, weights), context)
     y = combine(y_rows, order, routing.weights).reshape(batch, seq, hidden)
 
