@@ -42,8 +42,24 @@ BF16_CONFIG = TileConfig(block_k=64, num_warps=4, num_stages=4)
 BF16_TN_CONFIG = TileConfig(block_n=256, block_k=64)
 
 
-def _pick(cfg: TileConfig | None, scaled: bool, tn: bool = False) -> TileConfig:
-    return cfg or (FP8_CONFIG if scaled else BF16_TN_CONFIG if tn else BF16_CONFIG)
+def _pick(cfg: TileConfig | None, scaled: bool, itemsize: int, tn: bool = False) -> TileConfig:
+    """The given config, else the tuned default; 4-byte operands get half the K step or the
+    wide tile so the pipelined stages still fit in shared memory (228 KB on Hopper)."""
+    if cfg is not None:
+        return cfg
+    chosen = FP8_CONFIG if scaled else BF16_TN_CONFIG if tn else BF16_CONFIG
+    if itemsize == 4:
+        chosen = dataclasses.replace(chosen, block_k=32, block_n=min(chosen.block_n, 128))
+    return chosen
+
+
+def _out_shape(shape: tuple[int, ...], dtype, *operands: jax.Array) -> jax.ShapeDtypeStruct:
+    """The kernel's output type; under shard_map it varies over every mesh axis that any
+    operand varies over (outside shard_map there is no manual axis type)."""
+    types = [t for t in (jax.typeof(o).manual_axis_type for o in operands) if t is not None]
+    manual = (types[0].update(varying=frozenset().union(*(t.varying for t in types)))
+              if types else None)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
 
 
 def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -142,7 +158,7 @@ def grouped_matmul(a, b, group_sizes, *, a_scale=None, b_scale=None, b_row_tile=
     K is zero-padded to a multiple of the K step when needed (a copy: rare shapes).
     """
     scaled = a_scale is not None
-    cfg = _pick(cfg, scaled)
+    cfg = _pick(cfg, scaled, a.dtype.itemsize)
     if scaled and b_kn:
         raise ValueError("scaled operands need K-major b (G, N, K)")
     _check_step(cfg, scaled)
@@ -162,7 +178,7 @@ def grouped_matmul(a, b, group_sizes, *, a_scale=None, b_scale=None, b_row_tile=
                                b_kn=b_kn, scaled=scaled, tiles_m=tiles_m, tiles_n=tiles_n)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=_out_shape((m, n), out_dtype, a, b),
         grid=(tiles_m * tiles_n,),
         compiler_params=_compiler_params(cfg),
         interpret=interpret,
@@ -218,7 +234,7 @@ def grouped_matmul_tn(x, y, group_sizes, *, x_scale=None, y_scale=None, token_ma
                       out_init=None):
     """See reference.grouped_matmul_tn. FP8 needs token_major=False (K-major operands)."""
     scaled = x_scale is not None
-    cfg = _pick(cfg, scaled, tn=True)
+    cfg = _pick(cfg, scaled, x.dtype.itemsize, tn=True)
     if scaled and token_major:
         raise ValueError("scaled operands need token-minor x (P, M) and y (Q, M)")
     _check_step(cfg, scaled)
@@ -235,7 +251,7 @@ def grouped_matmul_tn(x, y, group_sizes, *, x_scale=None, y_scale=None, token_ma
                                scaled=scaled)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((groups, p, q), out_dtype),
+        out_shape=_out_shape((groups, p, q), out_dtype, x, y),
         grid=(groups, cdiv(p, cfg.block_m), cdiv(q, cfg.block_n)),
         compiler_params=_compiler_params(cfg),
         interpret=interpret,

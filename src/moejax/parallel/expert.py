@@ -20,7 +20,7 @@ import contextvars
 import dataclasses
 import functools
 import math
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,9 +83,10 @@ def expert_axis_size() -> int:
     return dict(mesh.shape).get(EXPERT_AXIS, 1) if mesh.axis_names else 1
 
 
-def _varying_over(tree: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
-    """Marks expert weights (replicated over ``axes``) as varying there, so that their
-    gradient from a custom-VJP kernel is summed over those axes by autodiff."""
+def _varying_over(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Marks arrays replicated over ``axes`` (expert weights, fresh buffers) as varying
+    there, so the types match the per-device tokens they meet; autodiff then sums the
+    gradients of such weights over ``axes``."""
     if not axes:
         return tree
     if hasattr(jax.lax, "pcast"):  # jax >= 0.10
@@ -126,6 +127,7 @@ class _Ragged(NamedTuple):
     """Exact-size exchange with ragged_all_to_all; senders' rows land source-major."""
 
     ep: int
+    batch_axes: tuple[str, ...]  # the receive buffers vary over these, like the tokens
 
     def send(self, rows: jax.Array, local_ids: jax.Array, dest: jax.Array, per_dest: jax.Array,
              invalid_id: int) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
@@ -143,8 +145,10 @@ class _Ragged(NamedTuple):
             return jax.lax.ragged_all_to_all(operand, output, send_offsets, per_dest,
                                              land_offsets, recv_sizes, axis_name=EXPERT_AXIS)
 
-        tokens = exchange(rows, jnp.zeros((size, rows.shape[1]), rows.dtype))
-        ids = exchange(local_ids, jnp.full((size,), invalid_id, jnp.int32))
+        buffers = _varying_over((jnp.zeros((size, rows.shape[1]), rows.dtype),
+                                 jnp.full((size,), invalid_id, jnp.int32)), self.batch_axes)
+        tokens = exchange(rows, buffers[0])
+        ids = exchange(local_ids, buffers[1])
         # On the way back my received blocks return to where each source took them from.
         back_offsets = jnp.sum(jnp.where(jnp.arange(self.ep)[None, :] < me, sent, 0), axis=1)
         context = (recv_offsets, recv_sizes, back_offsets, per_dest, rows.shape[0])
@@ -152,7 +156,7 @@ class _Ragged(NamedTuple):
 
     def send_back(self, y: jax.Array, context: tuple) -> jax.Array:
         recv_offsets, recv_sizes, back_offsets, per_dest, num_rows = context
-        output = jnp.zeros((num_rows, y.shape[1]), y.dtype)
+        output = _varying_over(jnp.zeros((num_rows, y.shape[1]), y.dtype), self.batch_axes)
         return jax.lax.ragged_all_to_all(y, output, recv_offsets, recv_sizes, back_offsets,
                                          per_dest, axis_name=EXPERT_AXIS)
 
@@ -207,7 +211,7 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
     per_dest = jnp.bincount(dest, length=ep).astype(jnp.int32)
     rows = flat[order // k]
     if options.resolved_transport() == "ragged":
-        transport: _Padded | _Ragged = _Ragged(ep)
+        transport: _Padded | _Ragged = _Ragged(ep, batch_axes)
     else:
         capacity = rows.shape[0] if options.capacity_factor is None else max(
             1, math.ceil(options.capacity_factor * rows.shape[0] / ep))
