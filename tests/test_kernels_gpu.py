@@ -46,12 +46,13 @@ def test_fp8_grouped_and_wgrad_gpu():
     w = jax.random.normal(ks[1], (len(SIZES), n, k), jnp.bfloat16)
     dy = jax.random.normal(ks[2], (m, n), jnp.bfloat16)
     sizes = jnp.asarray(SIZES)
-    with pk.use_backend("triton"):
-        got = jax.grad(lambda x, w: jnp.sum(pk.fp8_grouped_linear(x, w, sizes).astype(jnp.float32)
-                                            * dy), argnums=(0, 1))(x, w)
-    with pk.use_backend("reference"):
-        want = jax.grad(lambda x, w: jnp.sum(pk.fp8_grouped_linear(x, w, sizes).astype(jnp.float32)
-                                             * dy), argnums=(0, 1))(x, w)
+    def grads(backend):
+        with pk.use_backend(backend):
+            return jax.grad(lambda x, w: jnp.sum(
+                pk.fp8_grouped_linear(x, w, sizes).astype(jnp.float32) * dy),
+                argnums=(0, 1))(x, w)
+
+    got, want = grads("triton"), grads("reference")
     assert _rel(got[0], want[0]) <= 1e-2 and _rel(got[1], want[1]) <= 1e-2
 
 

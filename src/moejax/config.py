@@ -9,14 +9,15 @@ the rule, so nothing downstream has to re-check.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 
 class ConfigError(ValueError):
     """A configuration value breaks a rule; the message names field, value and rule."""
 
 
-def _fail(field: str, value: Any, rule: str) -> None:
+def fail(field: str, value: Any, rule: str) -> NoReturn:
+    """Raises the one ConfigError shape every config uses: field, value, rule."""
     raise ConfigError(f"{field}={value!r}: {rule}")
 
 
@@ -34,14 +35,14 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.type != "yarn":
-            _fail("rope_scaling.type", self.type, "only 'yarn' is supported")
+            fail("rope_scaling.type", self.type, "only 'yarn' is supported")
         if self.factor < 1.0:
-            _fail("rope_scaling.factor", self.factor, "must be >= 1")
+            fail("rope_scaling.factor", self.factor, "must be >= 1")
         if self.original_max_position_embeddings <= 0:
-            _fail("rope_scaling.original_max_position_embeddings",
+            fail("rope_scaling.original_max_position_embeddings",
                   self.original_max_position_embeddings, "must be > 0")
         if self.beta_fast <= self.beta_slow:
-            _fail("rope_scaling.beta_fast", self.beta_fast,
+            fail("rope_scaling.beta_fast", self.beta_fast,
                   f"must exceed beta_slow={self.beta_slow}")
 
 
@@ -87,41 +88,41 @@ class ModelConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                _fail(name, value, "must be a positive integer")
+                fail(name, value, "must be a positive integer")
         for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                _fail(name, value, "must be a non-negative integer")
+                fail(name, value, "must be a non-negative integer")
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int)
                                              or self.q_lora_rank <= 0):
-            _fail("q_lora_rank", self.q_lora_rank, "must be a positive integer or None")
+            fail("q_lora_rank", self.q_lora_rank, "must be a positive integer or None")
         if self.qk_rope_head_dim % 2:
-            _fail("qk_rope_head_dim", self.qk_rope_head_dim, "must be even (RoPE rotates pairs)")
+            fail("qk_rope_head_dim", self.qk_rope_head_dim, "must be even (RoPE rotates pairs)")
         if self.first_k_dense_replace > self.num_hidden_layers:
-            _fail("first_k_dense_replace", self.first_k_dense_replace,
+            fail("first_k_dense_replace", self.first_k_dense_replace,
                   f"must be <= num_hidden_layers={self.num_hidden_layers}")
         if self.n_routed_experts % self.n_group:
-            _fail("n_routed_experts", self.n_routed_experts,
+            fail("n_routed_experts", self.n_routed_experts,
                   f"must be divisible by n_group={self.n_group}")
         if self.topk_group > self.n_group:
-            _fail("topk_group", self.topk_group, f"must be <= n_group={self.n_group}")
+            fail("topk_group", self.topk_group, f"must be <= n_group={self.n_group}")
         per_group = self.n_routed_experts // self.n_group
         if self.n_group > 1 and per_group < 2:
-            _fail("n_group", self.n_group,
+            fail("n_group", self.n_group,
                   "each group needs >= 2 experts (groups are ranked by their top-2 scores)")
         reachable = self.topk_group * per_group
         if self.num_experts_per_tok > reachable:
-            _fail("num_experts_per_tok", self.num_experts_per_tok,
+            fail("num_experts_per_tok", self.num_experts_per_tok,
                   f"must be <= the {reachable} experts that topk_group={self.topk_group} "
                   f"groups of {per_group} can hold")
         if self.routed_scaling_factor <= 0:
-            _fail("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
+            fail("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
         if self.rms_norm_eps <= 0:
-            _fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+            fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
         if self.rope_theta <= 0:
-            _fail("rope_theta", self.rope_theta, "must be > 0")
+            fail("rope_theta", self.rope_theta, "must be > 0")
         if self.aux_loss_alpha < 0:
-            _fail("aux_loss_alpha", self.aux_loss_alpha, "must be >= 0")
+            fail("aux_loss_alpha", self.aux_loss_alpha, "must be >= 0")
         if isinstance(self.rope_scaling, Mapping):  # accept the JSON form
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 

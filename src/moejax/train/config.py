@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any
 
-from moejax.config import ConfigError, ModelConfig, MODEL_PRESETS, get_model_preset
+from moejax.config import ConfigError, ModelConfig, MODEL_PRESETS, fail, get_model_preset
 from moejax.memory.remat import POLICIES as REMAT_POLICIES
 from moejax.parallel.expert import ExpertParallelOptions
 from moejax.parallel.mesh import MeshSpec
@@ -24,15 +24,11 @@ DTYPES = ("float32", "bfloat16")
 NONFINITE_POLICIES = ("stop", "skip")
 
 
-def _fail(field: str, value: Any, rule: str) -> None:
-    raise ConfigError(f"{field}={value!r}: {rule}")
-
-
 def _check_positive_int(section: str, obj: Any, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            _fail(f"{section}.{name}", value, "must be a positive integer")
+            fail(f"{section}.{name}", value, "must be a positive integer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,31 +71,31 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                _fail(f"train.{name}", value, "must be a non-negative integer")
+                fail(f"train.{name}", value, "must be a non-negative integer")
         if self.warmup_steps >= self.total_schedule_steps:
-            _fail("train.warmup_steps", self.warmup_steps,
+            fail("train.warmup_steps", self.warmup_steps,
                   f"must be < the schedule length {self.total_schedule_steps}")
         if not self.lr > 0:
-            _fail("train.lr", self.lr, "must be > 0")
+            fail("train.lr", self.lr, "must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
-            _fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+            fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                _fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
+                fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
         if not 0 < self.wsd_decay_fraction <= 1:
-            _fail("train.wsd_decay_fraction", self.wsd_decay_fraction, "must be in (0, 1]")
+            fail("train.wsd_decay_fraction", self.wsd_decay_fraction, "must be in (0, 1]")
         for name in ("eps", "weight_decay", "grad_clip", "mtp_lambda", "bias_update_rate"):
             if not getattr(self, name) >= 0:
-                _fail(f"train.{name}", getattr(self, name), "must be >= 0")
+                fail(f"train.{name}", getattr(self, name), "must be >= 0")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
-            _fail("train.peak_tflops", self.peak_tflops, "must be > 0 or None")
+            fail("train.peak_tflops", self.peak_tflops, "must be > 0 or None")
         for name, allowed in (("schedule", SCHEDULES), ("moments_dtype", DTYPES),
                               ("compute_dtype", DTYPES), ("nonfinite", NONFINITE_POLICIES),
                               ("remat", REMAT_POLICIES)):
             if getattr(self, name) not in allowed:
-                _fail(f"train.{name}", getattr(self, name), f"must be one of {list(allowed)}")
+                fail(f"train.{name}", getattr(self, name), f"must be one of {list(allowed)}")
         if self.zero_stage not in (1, 3):
-            _fail("train.zero_stage", self.zero_stage, "must be 1 or 3")
+            fail("train.zero_stage", self.zero_stage, "must be 1 or 3")
 
     @property
     def total_schedule_steps(self) -> int:
@@ -118,7 +114,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.dir, str) or not self.dir:
-            _fail("data.dir", self.dir, "must be 'embedded' or a shard folder path")
+            fail("data.dir", self.dir, "must be 'embedded' or a shard folder path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,19 +143,19 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         depth = self.model.num_nextn_predict_layers
         if self.train.seq_len <= depth:
-            _fail("train.seq_len", self.train.seq_len,
+            fail("train.seq_len", self.train.seq_len,
                   f"must exceed num_nextn_predict_layers={depth} (MTP needs targets)")
         if self.train.seq_len > self.model.max_position_embeddings:
-            _fail("train.seq_len", self.train.seq_len,
+            fail("train.seq_len", self.train.seq_len,
                   f"must be <= model.max_position_embeddings="
                   f"{self.model.max_position_embeddings}")
         for axis in ("pipe", "tensor"):
             if getattr(self.mesh, axis) != 1:
-                _fail(f"mesh.{axis}", getattr(self.mesh, axis),
+                fail(f"mesh.{axis}", getattr(self.mesh, axis),
                       "experiments.train runs data and expert axes only for now (the "
                       "pipeline executor and tensor parallelism are pending); use 1")
         if self.train.batch_size % (self.mesh.data * self.mesh.expert):
-            _fail("train.batch_size", self.train.batch_size,
+            fail("train.batch_size", self.train.batch_size,
                   f"must divide over the data x expert mesh axes "
                   f"({self.mesh.data} x {self.mesh.expert})")
 
