@@ -2,7 +2,7 @@
 and XLA's plain all_to_all on the same bytes, side by side in one run.
 
     python -m experiments.bench_moe                          # every expert size the GPUs allow
-    python -m experiments.bench_moe --expert 1,2 --tokens-per-device 16384
+    python -m experiments.bench_moe --expert 1,2 --tokens-per-device 16384 --profile /tmp/moe
 
 Several processes (one GPU each) join with ``jax.distributed``, e.g. on one 2-GPU host:
 
@@ -13,13 +13,17 @@ Several processes (one GPU each) join with ``jax.distributed``, e.g. on one 2-GP
 
 Weak scaling: tokens per device stay fixed as ``expert`` grows. Bytes of the exchange are
 the routed copies each device sends and receives (T*k*H*itemsize each way, twice: dispatch
-and combine); the raw all_to_all moves a buffer of the same size once each way.
+and combine); the raw all_to_all moves a buffer of the same size once each way. With
+``--profile`` the layer's device time is split from a trace (``moejax.profiling``): busy time
+of communication, GEMM and data-movement kernels, and the communication left exposed (no
+other kernel running beside it).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -33,6 +37,7 @@ from moejax.model.expert_ffn import ExpertWeights
 from moejax.model.moe import MoE
 from moejax.parallel.expert import (EXPERT_AXIS, ExpertParallelOptions, expert_parallel_moe,
                                     expert_parallel_options)
+from moejax import profiling
 from moejax.parallel import distributed
 from moejax.parallel.mesh import MeshSpec, build_mesh
 
@@ -48,11 +53,11 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _identity_experts(rows, ids, num_local, weights):  # noqa: ARG001 - matches RunExperts
+def _identity_experts(rows, group_sizes, weights):  # noqa: ARG001 - matches RunExperts
     return rows
 
 
-def bench_one(expert: int, args: argparse.Namespace) -> dict[str, float]:
+def bench_one(expert: int, transport: str, args: argparse.Namespace) -> dict[str, float]:
     devices = jax.device_count()
     mesh = build_mesh(MeshSpec(data=devices // expert, expert=expert))
     config = get_model_preset(args.preset)
@@ -62,7 +67,8 @@ def bench_one(expert: int, args: argparse.Namespace) -> dict[str, float]:
     seqs = args.tokens_per_device // args.seq_len * devices
     x = jax.random.normal(jax.random.key(1), (seqs, args.seq_len, config.hidden_size), dtype)
     bias = jnp.zeros((config.n_routed_experts,), jnp.float32)
-    with jax.set_mesh(mesh), expert_parallel_options(ExpertParallelOptions(args.transport)):
+    with jax.set_mesh(mesh), expert_parallel_options(
+            ExpertParallelOptions("auto" if transport == "-" else transport)):
         x = jax.device_put(x, NamedSharding(mesh, P(("data", EXPERT_AXIS))))
 
         @jax.jit
@@ -90,10 +96,19 @@ def bench_one(expert: int, args: argparse.Namespace) -> dict[str, float]:
         t_layer = _median_seconds(lambda: fwd_bwd(params, x), args.repeats)
         t_exchange = (_median_seconds(lambda: exchange(params, x), args.repeats)
                       if expert > 1 else float("nan"))
-        t_raw = _median_seconds(lambda: raw(buffer), args.repeats) if expert > 1 else float("nan")
+        t_raw = _median_seconds(lambda: raw(buffer), 4 * args.repeats) if expert > 1 else float("nan")
+        split = (profiling.profile(lambda: fwd_bwd(params, x),
+                                   f"{args.profile}/expert{expert}_{transport}")
+                 if args.profile and jax.default_backend() != "cpu" else None)
     bytes_one_way = rows * hidden * dtype.itemsize  # per device, what dispatch sends
+    nan = float("nan")
     return {
-        "expert": expert, "layer_ms": 1e3 * t_layer,
+        "expert": expert, "transport": transport if expert > 1 else "-",
+        "layer_ms": 1e3 * t_layer,
+        "comm_ms": split.busy_ms["communication"] if split else nan,
+        "gemm_ms": split.busy_ms["gemm"] if split else nan,
+        "movement_ms": split.busy_ms["movement"] if split else nan,
+        "exposed_comm_ms": split.exposed_communication_ms if split else nan,
         "tokens_per_s_per_device": args.tokens_per_device / t_layer,
         "exchange_ms": 1e3 * t_exchange, "raw_a2a_ms": 1e3 * t_raw,
         # dispatch + combine move the copies twice; the raw all_to_all moves them once
@@ -110,7 +125,10 @@ def main() -> None:
     parser.add_argument("--tokens-per-device", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--transport", default="auto", choices=("auto", "padded", "ragged"))
+    parser.add_argument("--transports", default="",
+                        help="comma list of ragged,padded (default: both on GPU, padded on CPU)")
+    parser.add_argument("--profile", default="", help="directory for jax.profiler traces of "
+                        "the layer; adds the device-time split (GPU only)")
     parser.add_argument("--repeats", type=int, default=10)
     distributed.add_arguments(parser)
     args = parser.parse_args()
@@ -121,19 +139,32 @@ def main() -> None:
     if args.tokens_per_device % args.seq_len:
         parser.error(f"--tokens-per-device {args.tokens_per_device} must be a multiple of "
                      f"--seq-len {args.seq_len}")
-    rows = [bench_one(e, args) for e in sizes]
+    transports = (args.transports.split(",") if args.transports
+                  else ["padded"] if jax.default_backend() == "cpu" else ["ragged", "padded"])
+    for t in transports:
+        if t not in ("ragged", "padded"):
+            parser.error(f"--transports: {t!r} is not one of ragged, padded")
+    rows = []
+    for e in sizes:
+        for t in (transports if e > 1 else ["-"]):
+            print(f"[process {jax.process_index()}] expert={e} transport={t} ...", file=sys.stderr,
+                  flush=True)
+            rows.append(bench_one(e, t, args))
     if jax.process_index() != 0:
         return
     print(f"# {jax.devices()[0].device_kind} x{devices}, {jax.process_count()} process(es), "
           f"preset {args.preset}, {args.tokens_per_device} tokens/device, {args.dtype} transport")
     base = rows[0]["tokens_per_s_per_device"]
-    print(f"{'expert':>6} {'layer ms':>9} {'tok/s/dev':>11} {'vs e=1':>7} {'exch ms':>8} "
-          f"{'exch GB/s':>9} {'raw a2a GB/s':>12} {'exch/raw':>8}")
+    print(f"{'expert':>6} {'transport':>9} {'layer ms':>9} {'tok/s/dev':>11} {'vs e=1':>7} "
+          f"{'exch ms':>8} {'exch GB/s':>9} {'raw a2a GB/s':>12} {'exch/raw':>8} "
+          f"{'comm ms':>8} {'gemm ms':>8} {'move ms':>8} {'exposed':>8}")
     for r in rows:
-        print(f"{r['expert']:>6} {r['layer_ms']:>9.2f} {r['tokens_per_s_per_device']:>11.0f} "
+        print(f"{r['expert']:>6} {r['transport']:>9} {r['layer_ms']:>9.2f} "
+              f"{r['tokens_per_s_per_device']:>11.0f} "
               f"{r['tokens_per_s_per_device'] / base:>7.2f} {r['exchange_ms']:>8.2f} "
               f"{r['exchange_GBps']:>9.1f} {r['raw_a2a_GBps']:>12.1f} "
-              f"{r['exchange_GBps'] / r['raw_a2a_GBps']:>8.2f}")
+              f"{r['exchange_GBps'] / r['raw_a2a_GBps']:>8.2f} {r['comm_ms']:>8.2f} "
+              f"{r['gemm_ms']:>8.2f} {r['movement_ms']:>8.2f} {r['exposed_comm_ms']:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ transports share that flow:
 - ``padded``: a fixed (ep, C, H) buffer per device and ``all_to_all``. Dropless when
   C = T*k (every copy could go to one device); with ``capacity_factor`` f, C = ceil(f*T*k/ep)
   and copies past C are dropped and counted. Works on every backend (XLA:CPU included).
-- ``ragged``: ``jax.lax.ragged_all_to_all`` moves exactly the routed rows (GPU/TPU only;
-  not implemented on XLA:CPU). Dropless; the receive buffer holds the worst case.
+- ``ragged``: ``jax.lax.ragged_all_to_all`` moves exactly the routed rows, one slice per
+  (device, expert), each landing where the receiver's grouped GEMM wants it, so the
+  receiver never sorts (GPU/TPU only; not implemented on XLA:CPU). Dropless; the receive
+  buffer holds the worst case; the grouped GEMM computes only the received rows.
 """
 
 from __future__ import annotations
@@ -94,83 +96,124 @@ def _varying_over(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.lax.pvary(tree, axes)
 
 
-def _exclusive_cumsum(x: jax.Array) -> jax.Array:
-    return jnp.cumsum(x) - x
+def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+class Received(NamedTuple):
+    """Token copies on the expert side, grouped contiguously by local expert."""
+
+    tokens: jax.Array  # (R, H); rows past sum(group_sizes) are padding
+    group_sizes: jax.Array  # (num_local,) int32
+    context: tuple  # what send_back needs to return each row to its sender
+    dropped: jax.Array  # int32 scalar: copies cut by a capacity limit
 
 
 class _Padded(NamedTuple):
-    """Fixed-capacity all_to_all: row ``dest*C + slot`` of the buffer goes to ``dest``."""
+    """Fixed-capacity all_to_all: row ``dest*C + slot`` of the buffer goes to ``dest``.
+
+    Rows arrive source-major with a fixed C per source, so the receiver sorts them by
+    local expert before the grouped GEMM and undoes that sort before sending back.
+    """
 
     capacity: int
     ep: int
 
-    def send(self, rows: jax.Array, local_ids: jax.Array, dest: jax.Array, per_dest: jax.Array,
-             invalid_id: int) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
+    def send(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Received:
+        num_local = counts.shape[0] // self.ep
+        dest = experts // num_local
+        per_dest = counts.reshape(self.ep, num_local).sum(axis=1)
         slot = jnp.arange(rows.shape[0]) - _exclusive_cumsum(per_dest)[dest]
         keep = slot < self.capacity
         size = self.ep * self.capacity
         index = jnp.where(keep, dest * self.capacity + slot, size)  # size: dropped
         buffer = jnp.zeros((size, rows.shape[1]), rows.dtype).at[index].set(rows, mode="drop")
-        ids = jnp.full((size,), invalid_id, jnp.int32).at[index].set(local_ids, mode="drop")
+        ids = jnp.full((size,), num_local, jnp.int32).at[index].set(experts % num_local,
+                                                                    mode="drop")
         exchange = lambda a: jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)  # noqa: E731
+        tokens, ids = exchange(buffer), exchange(ids)
+        order = jnp.argsort(ids, stable=True)  # padding (id num_local) sorts last
+        group_sizes = jnp.bincount(ids, length=num_local).astype(jnp.int32)
         dropped = rows.shape[0] - keep.sum(dtype=jnp.int32)
-        return exchange(buffer), exchange(ids), (index, keep), dropped
+        return Received(tokens[order], group_sizes, (order, index, keep), dropped)
 
     def send_back(self, y: jax.Array, context: tuple) -> jax.Array:
-        index, keep = context
+        order, index, keep = context
+        y = jnp.zeros_like(y).at[order].set(y)
         back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True)
         rows = back[jnp.minimum(index, back.shape[0] - 1)]
         return jnp.where(keep[:, None], rows, jnp.zeros_like(rows))
 
 
+class RaggedPlan(NamedTuple):
+    """Offsets and sizes of both ragged exchanges, one slice per (device, expert).
+
+    Every sender cuts its expert-sorted rows into one slice per global expert and lands
+    each slice at its final place on the receiver: expert-major, then source-major. The
+    receive buffer is therefore already grouped by local expert and needs no sort.
+    """
+
+    send_offsets: jax.Array  # (E,) where my slice for expert e starts in my rows
+    send_sizes: jax.Array  # (E,) my copies routed to expert e
+    land_offsets: jax.Array  # (E,) where that slice lands on the expert's device
+    recv_offsets: jax.Array  # (ep*nl,) where slice (source s, local expert j) sits here
+    recv_sizes: jax.Array  # (ep*nl,) its size
+    return_offsets: jax.Array  # (ep*nl,) where it goes back to in source s's rows
+    group_sizes: jax.Array  # (nl,) rows per local expert
+
+
+def ragged_plan(counts: jax.Array, me: jax.Array) -> RaggedPlan:
+    """The exchange plan on device ``me`` from every device's per-expert counts (ep, E)."""
+    ep, experts = counts.shape
+    num_local = experts // ep
+    totals = counts.sum(axis=0)  # rows each expert receives
+    # where each expert's rows start on its own device: its device's earlier experts' rows
+    expert_start = _exclusive_cumsum(totals.reshape(ep, num_local), axis=1).reshape(experts)
+    from_earlier_sources = _exclusive_cumsum(counts, axis=0)  # (ep, E)
+    send_offsets_all = _exclusive_cumsum(counts, axis=1)  # (ep, E): every sender's offsets
+
+    def my_experts(a: jax.Array) -> jax.Array:  # the columns of my local experts
+        return jax.lax.dynamic_slice_in_dim(a, me * num_local, num_local, axis=-1)
+
+    return RaggedPlan(
+        send_offsets=send_offsets_all[me],
+        send_sizes=counts[me],
+        land_offsets=expert_start + from_earlier_sources[me],
+        recv_offsets=(my_experts(expert_start)[None, :]
+                      + my_experts(from_earlier_sources)).reshape(-1),
+        recv_sizes=my_experts(counts).reshape(-1),
+        return_offsets=my_experts(send_offsets_all).reshape(-1),
+        group_sizes=my_experts(totals).astype(jnp.int32),
+    )
+
+
 class _Ragged(NamedTuple):
-    """Exact-size exchange with ragged_all_to_all; senders' rows land source-major."""
+    """Exact-size exchange with ragged_all_to_all, landing rows grouped by expert."""
 
     ep: int
     batch_axes: tuple[str, ...]  # the receive buffers vary over these, like the tokens
 
-    def send(self, rows: jax.Array, local_ids: jax.Array, dest: jax.Array, per_dest: jax.Array,
-             invalid_id: int) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
-        del dest
-        me = jax.lax.axis_index(EXPERT_AXIS)
-        sent = jax.lax.all_gather(per_dest, EXPERT_AXIS)  # (src, dst) row counts
-        send_offsets = _exclusive_cumsum(per_dest)
-        # where my rows start in each destination's buffer: after lower-ranked sources'
-        land_offsets = jnp.sum(jnp.where(jnp.arange(self.ep)[:, None] < me, sent, 0), axis=0)
-        recv_sizes = sent[:, me]
-        recv_offsets = _exclusive_cumsum(recv_sizes)
+    def send(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Received:
+        del experts  # rows are sorted by expert: the counts say where each slice starts
+        plan = ragged_plan(jax.lax.all_gather(counts, EXPERT_AXIS),
+                           jax.lax.axis_index(EXPERT_AXIS))
         size = self.ep * rows.shape[0]  # worst case: every source sends everything to me
-
-        def exchange(operand: jax.Array, output: jax.Array) -> jax.Array:
-            return jax.lax.ragged_all_to_all(operand, output, send_offsets, per_dest,
-                                             land_offsets, recv_sizes, axis_name=EXPERT_AXIS)
-
-        buffers = _varying_over((jnp.zeros((size, rows.shape[1]), rows.dtype),
-                                 jnp.full((size,), invalid_id, jnp.int32)), self.batch_axes)
-        tokens = exchange(rows, buffers[0])
-        ids = exchange(local_ids, buffers[1])
-        # On the way back my received blocks return to where each source took them from.
-        back_offsets = jnp.sum(jnp.where(jnp.arange(self.ep)[None, :] < me, sent, 0), axis=1)
-        context = (recv_offsets, recv_sizes, back_offsets, per_dest, rows.shape[0])
-        return tokens, ids, context, jnp.zeros((), jnp.int32)
+        buffer = _varying_over(jnp.zeros((size, rows.shape[1]), rows.dtype), self.batch_axes)
+        tokens = jax.lax.ragged_all_to_all(rows, buffer, plan.send_offsets, plan.send_sizes,
+                                           plan.land_offsets, plan.recv_sizes,
+                                           axis_name=EXPERT_AXIS)
+        return Received(tokens, plan.group_sizes, (plan, rows.shape[0]),
+                        jnp.zeros((), jnp.int32))
 
     def send_back(self, y: jax.Array, context: tuple) -> jax.Array:
-        recv_offsets, recv_sizes, back_offsets, per_dest, num_rows = context
+        plan, num_rows = context
         output = _varying_over(jnp.zeros((num_rows, y.shape[1]), y.dtype), self.batch_axes)
-        return jax.lax.ragged_all_to_all(y, output, recv_offsets, recv_sizes, back_offsets,
-                                         per_dest, axis_name=EXPERT_AXIS)
+        return jax.lax.ragged_all_to_all(y, output, plan.recv_offsets, plan.recv_sizes,
+                                         plan.return_offsets, plan.send_sizes,
+                                         axis_name=EXPERT_AXIS)
 
 
-RunExperts = Callable[[jax.Array, jax.Array, int, ExpertWeights], jax.Array]
-
-
-def _local_experts(tokens: jax.Array, ids: jax.Array, num_local: int,
-                   weights: ExpertWeights) -> jax.Array:
-    """Runs received rows (any order; id == num_local marks padding) through local experts."""
-    order = jnp.argsort(ids, stable=True)
-    group_sizes = jnp.bincount(ids, length=num_local).astype(jnp.int32)  # padding not counted
-    y_sorted = grouped_swiglu(tokens[order], group_sizes, weights)
-    return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+RunExperts = Callable[[jax.Array, jax.Array, ExpertWeights], jax.Array]
 
 
 def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
@@ -206,9 +249,7 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
 
     copies = routing.experts.reshape(-1)
     order = jnp.argsort(copies, stable=True).astype(jnp.int32)
-    sorted_experts = copies[order]
-    dest = sorted_experts // num_local
-    per_dest = jnp.bincount(dest, length=ep).astype(jnp.int32)
+    counts = jnp.bincount(copies, length=experts).astype(jnp.int32)
     rows = flat[order // k]
     if options.resolved_transport() == "ragged":
         transport: _Padded | _Ragged = _Ragged(ep, batch_axes)
@@ -216,29 +257,30 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
         capacity = rows.shape[0] if options.capacity_factor is None else max(
             1, math.ceil(options.capacity_factor * rows.shape[0] / ep))
         transport = _Padded(capacity, ep)
-    tokens, ids, context, dropped = transport.send(rows, sorted_experts % num_local, dest,
-                                                   per_dest, num_local)
+    received = transport.send(rows, copies[order], counts)
     weights = _varying_over(weights, tuple(a for a in batch_axes if a != EXPERT_AXIS))
-    y_rows = transport.send_back(run_experts(tokens, ids, num_local, weights), context)
+    y_rows = transport.send_back(run_experts(received.tokens, received.group_sizes, weights),
+                                 received.context)
     y = combine(y_rows, order, routing.weights).reshape(batch, seq, hidden)
 
-    counts = jnp.bincount(copies, length=experts).astype(jnp.int32)
     balance = (sequence_balance_loss(routing.scores, routing.experts, batch, config)
                if config.aux_loss_alpha else jnp.zeros((), jnp.float32))
     node = functools.partial(_node_of_expert_position, mesh_shape=mesh_shape,
                              devices_per_node=devices_per_node)
+    dest = copies // num_local
     cross_node = jnp.sum(node(dest) != node(jax.lax.axis_index(EXPERT_AXIS)), dtype=jnp.int32)
     total = functools.partial(jax.lax.psum, axis_name=batch_axes)
-    return y, RoutingStats(total(counts), jax.lax.pmean(balance, batch_axes), total(dropped),
-                           total(cross_node))
+    return y, RoutingStats(total(counts), jax.lax.pmean(balance, batch_axes),
+                           total(received.dropped), total(cross_node))
 
 
 def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
                         weights: ExpertWeights, config: ModelConfig,
-                        run_experts: RunExperts = _local_experts) -> tuple[jax.Array, RoutingStats]:
+                        run_experts: RunExperts = grouped_swiglu) -> tuple[jax.Array, RoutingStats]:
     """The routed part of a MoE layer with experts sharded over the mesh's ``expert`` axis.
 
-    ``run_experts(rows, local_ids, num_local, weights)`` maps the received rows to outputs;
+    ``run_experts(rows, group_sizes, weights)`` maps the received rows (grouped by local
+    expert) to outputs;
     benchmarks pass an identity to time the token exchange alone.
     """
     mesh = jax.sharding.get_abstract_mesh()

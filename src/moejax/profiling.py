@@ -1,0 +1,129 @@
+"""Where device time goes, read from a ``jax.profiler`` trace.
+
+Benchmarks need two numbers a wall clock cannot give: how a step's device time splits
+between communication, GEMMs, attention and data movement, and how much communication is
+*exposed* (runs while no compute kernel runs on the same device). Both come from the
+kernel events of the trace JSON that ``jax.profiler.trace`` writes next to its xplane.
+Kernels are classified by their name and the HLO op XLA attaches to them.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import pathlib
+import re
+from typing import Callable, Iterable, NamedTuple
+
+import jax
+
+CATEGORIES = ("communication", "gemm", "attention", "movement", "other")
+_PATTERNS = (  # first match wins
+    ("communication", re.compile(
+        r"nccl|all-to-all|all_to_all|alltoall|all-gather|allgather|all-reduce|allreduce|"
+        r"reduce-scatter|reducescatter|collective-permute|sendrecv|send|recv", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
+    ("gemm", re.compile(r"gemm|matmul|cublas|cutlass|xmma|nvjet|wgmma|\bdot|_mm\b", re.I)),
+    ("movement", re.compile(
+        r"gather|scatter|sort|copy|transpose|dynamic-update-slice|dynamic_update_slice|"
+        r"concatenate|slice|pad|permute|dispatch|combine|memset", re.I)),
+)
+
+
+class KernelEvent(NamedTuple):
+    device: str  # the trace's process name, e.g. "/device:GPU:0"
+    name: str  # kernel name
+    hlo_op: str  # the HLO instruction it implements ("" if the trace does not say)
+    start_us: float
+    dur_us: float
+
+    @property
+    def category(self) -> str:
+        for category, pattern in _PATTERNS:
+            if pattern.search(self.name) or pattern.search(self.hlo_op):
+                return category
+        return "other"
+
+
+def load_kernel_events(log_dir: str | pathlib.Path) -> list[KernelEvent]:
+    """Kernel events of every accelerator in the newest trace under ``log_dir``."""
+    traces = sorted(pathlib.Path(log_dir).glob("plugins/profile/*/*.trace.json.gz"))
+    if not traces:
+        raise FileNotFoundError(f"no *.trace.json.gz under {log_dir}/plugins/profile")
+    with gzip.open(traces[-1]) as f:
+        trace = json.load(f)
+    return kernel_events(trace["traceEvents"] if isinstance(trace, dict) else trace)
+
+
+def kernel_events(trace_events: Iterable[dict]) -> list[KernelEvent]:
+    """Complete ("X") events of processes named ``/device:...`` other than the host."""
+    events = list(trace_events)
+    devices = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"
+               and e["args"]["name"].startswith("/device:")
+               and not e["args"]["name"].startswith("/device:CPU")}
+    return [KernelEvent(devices[e["pid"]], e["name"], str(e.get("args", {}).get("hlo_op", "")),
+                        float(e["ts"]), float(e["dur"]))
+            for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def _covered_us(intervals: list[tuple[float, float]],
+                cover: list[tuple[float, float]]) -> float:
+    """Length of the union of ``intervals`` that lies inside the union of ``cover`` (a sweep
+    over all end points, counting open intervals of each kind)."""
+    points = sorted([(a, 0, 1) for a, _ in intervals] + [(b, 0, -1) for _, b in intervals]
+                    + [(c, 1, 1) for c, _ in cover] + [(d, 1, -1) for _, d in cover])
+    active, covered, last = [0, 0], 0.0, 0.0
+    for t, kind, delta in points:
+        if active[0] > 0 and active[1] > 0:
+            covered += t - last
+        active[kind] += delta
+        last = t
+    return covered
+
+
+class DeviceTime(NamedTuple):
+    busy_ms: dict[str, float]  # per category: union of its kernels' time
+    total_busy_ms: float  # union over all kernels
+    exposed_communication_ms: float  # communication while no other kernel runs
+
+
+def device_time(events: list[KernelEvent], device: str | None = None) -> DeviceTime:
+    """Per-category busy time and exposed communication of one device (default: first)."""
+    devices = sorted({e.device for e in events})
+    if not devices:
+        raise ValueError("the trace holds no accelerator kernel events")
+    device = device or devices[0]
+    spans: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for e in events:
+        if e.device == device:
+            spans[e.category].append((e.start_us, e.start_us + e.dur_us))
+    compute = [s for c, v in spans.items() if c != "communication" for s in v]
+    communication = spans["communication"]
+    exposed = _union_us(communication) - _covered_us(communication, compute)
+    return DeviceTime({c: _union_us(spans[c]) / 1e3 for c in CATEGORIES},
+                      _union_us([s for v in spans.values() for s in v]) / 1e3, exposed / 1e3)
+
+
+def profile(fn: Callable[[], object], log_dir: str | pathlib.Path, repeats: int = 3,
+            ) -> DeviceTime:
+    """Traces ``repeats`` calls of ``fn`` (already compiled) and splits the device time,
+    per call."""
+    jax.block_until_ready(fn())
+    with jax.profiler.trace(str(log_dir)):
+        for _ in range(repeats):
+            jax.block_until_ready(fn())
+    t = device_time(load_kernel_events(log_dir))
+    per = lambda ms: ms / repeats  # noqa: E731
+    return DeviceTime({c: per(v) for c, v in t.busy_ms.items()}, per(t.total_busy_ms),
+                      per(t.exposed_communication_ms))
