@@ -13,7 +13,8 @@ Several processes (one GPU each) join with ``jax.distributed``, e.g. on one 2-GP
 
 Weak scaling: tokens per device stay fixed as ``expert`` grows. Bytes of the exchange are
 the routed copies each device sends and receives (T*k*H*itemsize each way, twice: dispatch
-and combine); the raw all_to_all moves a buffer of the same size once each way. With
+and combine; an FP8 dispatch moves T*k*(H + 4H/128) bytes); the raw all_to_all moves the
+compute-dtype buffer once each way. With
 ``--profile`` the layer's device time is split from a trace (``moejax.profiling``): busy time
 of communication, GEMM and data-movement kernels, and the communication left exposed (no
 other kernel running beside it).
@@ -57,7 +58,8 @@ def _identity_experts(rows, group_sizes, weights):  # noqa: ARG001 - matches Run
     return rows
 
 
-def bench_one(expert: int, transport: str, args: argparse.Namespace) -> dict[str, float]:
+def bench_one(expert: int, transport: str, token_format: str,
+              args: argparse.Namespace) -> dict[str, float]:
     devices = jax.device_count()
     mesh = build_mesh(MeshSpec(data=devices // expert, expert=expert))
     config = get_model_preset(args.preset)
@@ -68,7 +70,8 @@ def bench_one(expert: int, transport: str, args: argparse.Namespace) -> dict[str
     x = jax.random.normal(jax.random.key(1), (seqs, args.seq_len, config.hidden_size), dtype)
     bias = jnp.zeros((config.n_routed_experts,), jnp.float32)
     with jax.set_mesh(mesh), expert_parallel_options(
-            ExpertParallelOptions("auto" if transport == "-" else transport)):
+            ExpertParallelOptions("auto" if transport == "-" else transport,
+                                  token_format=token_format)):
         x = jax.device_put(x, NamedSharding(mesh, P(("data", EXPERT_AXIS))))
 
         @jax.jit
@@ -98,12 +101,16 @@ def bench_one(expert: int, transport: str, args: argparse.Namespace) -> dict[str
                       if expert > 1 else float("nan"))
         t_raw = _median_seconds(lambda: raw(buffer), 4 * args.repeats) if expert > 1 else float("nan")
         split = (profiling.profile(lambda: fwd_bwd(params, x),
-                                   f"{args.profile}/expert{expert}_{transport}")
+                                   f"{args.profile}/expert{expert}_{transport}_{token_format}")
                  if args.profile and jax.default_backend() != "cpu" else None)
-    bytes_one_way = rows * hidden * dtype.itemsize  # per device, what dispatch sends
+    bytes_one_way = rows * hidden * dtype.itemsize  # per device, what combine sends back
+    # FP8 dispatch sends one byte per element plus a 4-byte scale per 128 of them
+    dispatch_bytes = (rows * (hidden + 4 * -(-hidden // 128)) if token_format == "fp8"
+                      else bytes_one_way)
     nan = float("nan")
     return {
         "expert": expert, "transport": transport if expert > 1 else "-",
+        "tokens": token_format if expert > 1 else "-",
         "layer_ms": 1e3 * t_layer,
         "comm_ms": split.busy_ms["communication"] if split else nan,
         "gemm_ms": split.busy_ms["gemm"] if split else nan,
@@ -112,7 +119,7 @@ def bench_one(expert: int, transport: str, args: argparse.Namespace) -> dict[str
         "tokens_per_s_per_device": args.tokens_per_device / t_layer,
         "exchange_ms": 1e3 * t_exchange, "raw_a2a_ms": 1e3 * t_raw,
         # dispatch + combine move the copies twice; the raw all_to_all moves them once
-        "exchange_GBps": 2 * bytes_one_way / t_exchange / 1e9,
+        "exchange_GBps": (dispatch_bytes + bytes_one_way) / t_exchange / 1e9,
         "raw_a2a_GBps": bytes_one_way / t_raw / 1e9,
     }
 
@@ -127,6 +134,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--transports", default="",
                         help="comma list of ragged,padded (default: both on GPU, padded on CPU)")
+    parser.add_argument("--token-formats", default="",
+                        help="comma list of compute,fp8 (default: both on GPU, compute on CPU)")
     parser.add_argument("--profile", default="", help="directory for jax.profiler traces of "
                         "the layer; adds the device-time split (GPU only)")
     parser.add_argument("--repeats", type=int, default=10)
@@ -144,22 +153,27 @@ def main() -> None:
     for t in transports:
         if t not in ("ragged", "padded"):
             parser.error(f"--transports: {t!r} is not one of ragged, padded")
+    formats = (args.token_formats.split(",") if args.token_formats
+               else ["compute"] if jax.default_backend() == "cpu" else ["compute", "fp8"])
+    for f in formats:
+        if f not in ("compute", "fp8"):
+            parser.error(f"--token-formats: {f!r} is not one of compute, fp8")
     rows = []
     for e in sizes:
-        for t in (transports if e > 1 else ["-"]):
-            print(f"[process {jax.process_index()}] expert={e} transport={t} ...", file=sys.stderr,
-                  flush=True)
-            rows.append(bench_one(e, t, args))
+        for t, f in ([(t, f) for t in transports for f in formats] if e > 1 else [("-", "compute")]):
+            print(f"[process {jax.process_index()}] expert={e} transport={t} tokens={f} ...",
+                  file=sys.stderr, flush=True)
+            rows.append(bench_one(e, t, f, args))
     if jax.process_index() != 0:
         return
     print(f"# {jax.devices()[0].device_kind} x{devices}, {jax.process_count()} process(es), "
-          f"preset {args.preset}, {args.tokens_per_device} tokens/device, {args.dtype} transport")
+          f"preset {args.preset}, {args.tokens_per_device} tokens/device, {args.dtype} compute")
     base = rows[0]["tokens_per_s_per_device"]
-    print(f"{'expert':>6} {'transport':>9} {'layer ms':>9} {'tok/s/dev':>11} {'vs e=1':>7} "
+    print(f"{'expert':>6} {'transport':>9} {'tokens':>7} {'layer ms':>9} {'tok/s/dev':>11} {'vs e=1':>7} "
           f"{'exch ms':>8} {'exch GB/s':>9} {'raw a2a GB/s':>12} {'exch/raw':>8} "
           f"{'comm ms':>8} {'gemm ms':>8} {'move ms':>8} {'exposed':>8}")
     for r in rows:
-        print(f"{r['expert']:>6} {r['transport']:>9} {r['layer_ms']:>9.2f} "
+        print(f"{r['expert']:>6} {r['transport']:>9} {r['tokens']:>7} {r['layer_ms']:>9.2f} "
               f"{r['tokens_per_s_per_device']:>11.0f} "
               f"{r['tokens_per_s_per_device'] / base:>7.2f} {r['exchange_ms']:>8.2f} "
               f"{r['exchange_GBps']:>9.1f} {r['raw_a2a_GBps']:>12.1f} "

@@ -1,4 +1,4 @@
-"""Which implementation the public GEMM ops run, visible and overridable.
+"""Which implementation the public GEMM and token-movement ops run, visible and overridable.
 
 - "triton": the Pallas kernels in `triton_gemm`, lowered through Triton (any CUDA GPU).
 - "interpret": the same kernels in Pallas interpret mode (CPU tests of kernel logic).

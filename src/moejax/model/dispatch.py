@@ -1,8 +1,9 @@
 """Single-device dropless token dispatch: sort token copies by expert, and undo it.
 
 Every (token, slot) copy is kept: the sorted buffer has exactly T*k rows, so no capacity
-limit exists and no token is dropped. The expert-parallel path and the fused movement
-kernels replace these two functions with the same contract.
+limit exists and no token is dropped. Both passes are `pallas_kernels`' fused movement ops
+(one read and one write of the data each, custom VJPs; Triton kernels on GPU, the pure-JAX
+reference on CPU); this module keeps the model's names for them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
+import pallas_kernels
+
+# combine(y_sorted, order, weights) -> (T, H): un-sort, weight, sum over k in FP32.
+combine = pallas_kernels.combine
 
 
 class Dispatched(NamedTuple):
@@ -21,16 +25,5 @@ class Dispatched(NamedTuple):
 
 def dispatch(x: jax.Array, experts: jax.Array, num_experts: int) -> Dispatched:
     """Sorts the k copies of each row of x (T, H) by their expert in ``experts`` (T, k)."""
-    k = experts.shape[1]
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    return Dispatched(x[order // k], group_sizes, order)
-
-
-def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
-    """Un-sorts expert outputs and returns sum_k weight * y per token, summed in FP32."""
-    tokens, k = weights.shape
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    y = y_sorted[inverse].reshape(tokens, k, -1).astype(jnp.float32)
-    return jnp.einsum("tkh,tk->th", y, weights.astype(jnp.float32)).astype(y_sorted.dtype)
+    sent = pallas_kernels.dispatch(x, experts, num_experts, quantize=False)
+    return Dispatched(sent.tokens, sent.group_sizes, sent.permutation)

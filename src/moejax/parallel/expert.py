@@ -28,14 +28,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels
 from moejax.config import ConfigError, ModelConfig
-from moejax.model.dispatch import combine
+from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.routing import RoutingStats, route, sequence_balance_loss
 
 EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", EXPERT_AXIS)  # mesh axes the token batch is sharded over
 TRANSPORTS = ("auto", "padded", "ragged")
+TOKEN_FORMATS = ("compute", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,9 @@ class ExpertParallelOptions:
     capacity_factor: float | None = None  # None: dropless
     # Devices per node for the cross-node traffic count; None: devices per process.
     devices_per_node: int | None = None
+    # Tokens on the wire: the compute dtype, or FP8 E4M3 with 1x128 scales (half the bytes
+    # of BF16, as DeepSeek-V3 dispatches; gradients return in the compute dtype).
+    token_format: str = "compute"
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -52,6 +57,9 @@ class ExpertParallelOptions:
             raise ConfigError(f"capacity_factor={self.capacity_factor!r}: must be > 0 or None")
         if self.devices_per_node is not None and self.devices_per_node < 1:
             raise ConfigError(f"devices_per_node={self.devices_per_node!r}: must be >= 1 or None")
+        if self.token_format not in TOKEN_FORMATS:
+            raise ConfigError(f"token_format={self.token_format!r}: must be one of "
+                              f"{TOKEN_FORMATS}")
 
     def resolved_transport(self) -> str:
         if self.capacity_factor is not None:
@@ -192,28 +200,73 @@ class _Ragged(NamedTuple):
 
     ep: int
     batch_axes: tuple[str, ...]  # the receive buffers vary over these, like the tokens
+    num_rows: int  # token copies each device sends (T*k)
 
     def send(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Received:
         del experts  # rows are sorted by expert: the counts say where each slice starts
         plan = ragged_plan(jax.lax.all_gather(counts, EXPERT_AXIS),
                            jax.lax.axis_index(EXPERT_AXIS))
-        size = self.ep * rows.shape[0]  # worst case: every source sends everything to me
+        size = self.ep * self.num_rows  # worst case: every source sends everything to me
         buffer = _varying_over(jnp.zeros((size, rows.shape[1]), rows.dtype), self.batch_axes)
         tokens = jax.lax.ragged_all_to_all(rows, buffer, plan.send_offsets, plan.send_sizes,
                                            plan.land_offsets, plan.recv_sizes,
                                            axis_name=EXPERT_AXIS)
-        return Received(tokens, plan.group_sizes, (plan, rows.shape[0]),
-                        jnp.zeros((), jnp.int32))
+        return Received(tokens, plan.group_sizes, plan, jnp.zeros((), jnp.int32))
 
-    def send_back(self, y: jax.Array, context: tuple) -> jax.Array:
-        plan, num_rows = context
-        output = _varying_over(jnp.zeros((num_rows, y.shape[1]), y.dtype), self.batch_axes)
+    def send_back(self, y: jax.Array, plan: RaggedPlan) -> jax.Array:
+        output = _varying_over(jnp.zeros((self.num_rows, y.shape[1]), y.dtype), self.batch_axes)
         return jax.lax.ragged_all_to_all(y, output, plan.recv_offsets, plan.recv_sizes,
                                          plan.return_offsets, plan.send_sizes,
                                          axis_name=EXPERT_AXIS)
 
 
 RunExperts = Callable[[jax.Array, jax.Array, ExpertWeights], jax.Array]
+Transport = _Padded | _Ragged
+
+
+def _pack_fp8(tokens: jax.Array, scales: jax.Array) -> jax.Array:
+    """FP8 rows and their FP32 scales as one byte row each, so one exchange moves both."""
+    scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(scales.shape[0], -1)
+    return jnp.concatenate([jax.lax.bitcast_convert_type(tokens, jnp.uint8), scale_bytes], 1)
+
+
+def _unpack_fp8(packed: jax.Array, hidden: int, dtype: jnp.dtype) -> jax.Array:
+    tokens = jax.lax.bitcast_convert_type(packed[:, :hidden], jnp.float8_e4m3fn)
+    scale_bytes = packed[:, hidden:].reshape(packed.shape[0], -1, 4)
+    scales = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+    return pallas_kernels.dequantize(tokens, scales, 1).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dispatch_fp8(transport: Transport, num_experts: int, x: jax.Array,
+                  expert_ids: jax.Array) -> tuple[Received, jax.Array]:
+    """Sort + FP8-quantize (one fused pass), exchange the bytes, dequantize on arrival.
+
+    Returns what arrived, in ``x``'s dtype, and the sender's sort permutation. The
+    backward treats quantization as identity (straight-through) and sends the gradient
+    back in ``x``'s dtype, as DeepSeek-V3's combine-side communication does.
+    """
+    return _dispatch_fp8_fwd(transport, num_experts, x, expert_ids)[0]
+
+
+def _dispatch_fp8_fwd(transport, num_experts, x, expert_ids):
+    sent = pallas_kernels.dispatch(x, expert_ids, num_experts, quantize=True)
+    sorted_ids = expert_ids.reshape(-1)[sent.permutation]
+    received = transport.send(_pack_fp8(sent.tokens, sent.scales), sorted_ids, sent.group_sizes)
+    tokens = _unpack_fp8(received.tokens, x.shape[1], x.dtype)
+    return ((received._replace(tokens=tokens), sent.permutation),
+            (received.context, sent.permutation, jnp.zeros(expert_ids.shape, jnp.bool_)))
+
+
+def _dispatch_fp8_bwd(transport, num_experts, residuals, cotangents):
+    del num_experts
+    context, permutation, ids_shape = residuals
+    rows = transport.send_back(cotangents[0].tokens, context)
+    # the sorted rows' gradient summed back onto their token: an unweighted combine
+    return combine(rows, permutation, jnp.ones(ids_shape.shape, jnp.float32)), None
+
+
+_dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
 
 
 def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
@@ -248,16 +301,20 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
     num_local = experts // ep
 
     copies = routing.experts.reshape(-1)
-    order = jnp.argsort(copies, stable=True).astype(jnp.int32)
     counts = jnp.bincount(copies, length=experts).astype(jnp.int32)
-    rows = flat[order // k]
+    num_rows = flat.shape[0] * k
     if options.resolved_transport() == "ragged":
-        transport: _Padded | _Ragged = _Ragged(ep, batch_axes)
+        transport: Transport = _Ragged(ep, batch_axes, num_rows)
     else:
-        capacity = rows.shape[0] if options.capacity_factor is None else max(
-            1, math.ceil(options.capacity_factor * rows.shape[0] / ep))
+        capacity = num_rows if options.capacity_factor is None else max(
+            1, math.ceil(options.capacity_factor * num_rows / ep))
         transport = _Padded(capacity, ep)
-    received = transport.send(rows, copies[order], counts)
+    if options.token_format == "fp8":
+        received, order = _dispatch_fp8(transport, experts, flat, routing.experts)
+    else:
+        sent = dispatch(flat, routing.experts, experts)
+        order = sent.order
+        received = transport.send(sent.tokens, copies[order], sent.group_sizes)
     weights = _varying_over(weights, tuple(a for a in batch_axes if a != EXPERT_AXIS))
     y_rows = transport.send_back(run_experts(received.tokens, received.group_sizes, weights),
                                  received.context)

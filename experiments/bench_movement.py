@@ -1,0 +1,369 @@
+"""Token-movement benchmark: the fused Pallas kernels vs XLA's compile of the pure-JAX
+reference on the same inputs, both against the device's own copy bandwidth.
+
+    python -m experiments.bench_movement [--quick] [--json PATH] [--profile DIR]
+
+1. Copy bandwidth: `x * 1.5` over 1 GiB of bf16, bytes read + written (measured here, in
+   the same run, not the datasheet).
+2. Per shape (T tokens, H hidden, E experts, k = 8) and op: the bytes floor (each input read
+   once, each output written once), kernel and XLA times, each as a fraction of copy
+   bandwidth, and XLA time / kernel time. Outputs are checked against the reference first
+   (bitwise where the op is a permutation or a quantization).
+3. One MoE layer (`small` preset shapes) forward+backward on one device: fused movement ops
+   vs the unfused reference (argsort, XLA gather/scatter, plain autodiff), tokens/s, and
+   data movement's share of the device time from a jax.profiler trace (with --profile) and
+   from timing the layer with identity experts.
+Times: median over repeats of one jitted call that runs the op on R distinct input sets
+(R up to 8 for small shapes: hides launch gaps, and keeps inputs out of L2), divided by R.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pallas_kernels as pk
+from pallas_kernels import movement_reference as ref
+from pallas_kernels import triton_movement as tm
+from pallas_kernels.quantize import TILE, cdiv
+
+from moejax.config import get_model_preset
+from moejax.model import dispatch as model_dispatch
+from moejax.model import moe
+from moejax.model.expert_ffn import ExpertWeights
+
+K = 8
+TOKENS = (4096, 16384, 65536)
+PAIRED = ((7168, 256), (2048, 64))  # DeepSeek-V3's and V2-Lite's (hidden, experts)
+CROSSED = ((7168, 256), (7168, 64), (2048, 256), (2048, 64))
+SET_BYTES = 512 * 2**20  # input sets per call: enough to cover this many bytes (<= 8 sets)
+
+
+def per_call_seconds(fn: Callable, arg_sets: list[tuple], repeats: int) -> float:
+    run = jax.jit(lambda sets: [fn(*args) for args in sets])
+    jax.block_until_ready(run(arg_sets))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run(arg_sets))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / len(arg_sets)
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes/s of a 1 GiB bf16 read + 1 GiB write."""
+    x = jax.random.normal(jax.random.key(0), (2**29,), jnp.bfloat16)
+    return 2 * x.nbytes / per_call_seconds(lambda x: x * 1.5, [(x,)], repeats)
+
+
+@dataclasses.dataclass
+class Row:
+    shape: str
+    op: str
+    floor_bytes: int
+    kernel_s: float | None  # None: the kernel cannot run this shape (see note)
+    xla_s: float | None  # None: failed (see note)
+    check: str
+    note: str = ""
+
+
+def _bitwise(a, b) -> bool:
+    as_bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint8) if v.dtype.itemsize == 1 else v  # noqa: E731
+    return bool(jnp.array_equal(as_bits(a), as_bits(b)))
+
+
+def _rel(a, b, rows: int = 2**16) -> float:
+    """Relative error on the leading rows (an FP32 copy of a 7.5 GB output does not fit)."""
+    a, b = jnp.asarray(a[:rows], jnp.float32), jnp.asarray(b[:rows], jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _routing(key, tokens: int, experts: int) -> jax.Array:
+    """k distinct experts per token, uniformly at random (as a balanced top-k gives)."""
+    return jax.lax.top_k(jax.random.uniform(key, (tokens, experts)), K)[1].astype(jnp.int32)
+
+
+def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
+               interpret: bool) -> list[Row]:
+    n = tokens * K
+    label = f"T={tokens} H={hidden} E={experts}"
+    sets = max(1, min(8, SET_BYTES // (n * hidden * 2)))
+    keys = jax.random.split(jax.random.key(tokens + hidden + experts), 5 * sets)
+    inputs = []
+    for s in range(sets):
+        kx, ki, kw, ky, kg = keys[5 * s:5 * s + 5]
+        ids = _routing(ki, tokens, experts)
+        perm, _ = pk.sort_by_expert(ids, experts)
+        inputs.append(dict(
+            x=jax.random.normal(kx, (tokens, hidden), jnp.bfloat16) * 3, ids=ids, perm=perm,
+            w=jax.random.uniform(kw, (tokens, K), jnp.float32),
+            y=jax.random.normal(ky, (n, hidden), jnp.bfloat16),
+            g=jax.random.normal(kg, (tokens, hidden), jnp.bfloat16)))
+
+    def argsets(*names):
+        return [tuple(i[name] for name in names) for i in inputs]
+
+    def reference_combine_vjp(g, y, perm, w):
+        _, pullback = jax.vjp(lambda y, w: ref.combine(y, perm, w), y, w)
+        return pullback(g)
+
+    def argsort_sort(ids):
+        flat = ids.reshape(-1)
+        return (jnp.argsort(flat, stable=True).astype(jnp.int32),
+                jnp.bincount(flat, length=experts).astype(jnp.int32))
+
+    kern = lambda name: functools.partial(getattr(tm, name), interpret=interpret)  # noqa: E731
+    fp8_fits = tm.offsets_fit((n, hidden), jnp.float8_e4m3fn) or tm.packs_fp8(n, hidden)
+    scale_bytes = n * cdiv(hidden, TILE) * 4
+    ops = [  # name, floor bytes, kernel, XLA, inputs, check, kernel runs here
+        ("sort_by_expert (vs argsort+bincount)", 8 * n + 4 * experts,
+         lambda ids: pk.sort_by_expert(ids, experts), argsort_sort, ("ids",), "bitwise", True),
+        ("dispatch fp8 (permute+quantize)", 2 * tokens * hidden + n * hidden + scale_bytes + 4 * n,
+         lambda x, p: kern("permute")(x, p, K, quantize=True),
+         lambda x, p: ref.permute(x, p, K, quantize=True), ("x", "perm"), "bitwise", fp8_fits),
+        ("dispatch bf16 (permute)", 2 * tokens * hidden + 2 * n * hidden + 4 * n,
+         lambda x, p: kern("permute")(x, p, K, quantize=False)[0],
+         lambda x, p: ref.permute(x, p, K, quantize=False)[0], ("x", "perm"), "bitwise", True),
+        ("combine (fwd)", 2 * n * hidden + 2 * tokens * hidden + 8 * n,
+         kern("combine"), ref.combine, ("y", "perm", "w"), "rel", True),
+        ("combine (bwd: dy, dweights)", 2 * tokens * hidden + 4 * n * hidden + 12 * n,
+         kern("combine_backward"), reference_combine_vjp, ("g", "y", "perm", "w"), "rel", True),
+        ("quantize_along_tokens (x^T, 1x128)", 3 * tokens * hidden + hidden * cdiv(tokens, TILE) * 4,
+         kern("quantize_along_tokens"), ref.quantize_along_tokens, ("x",), "bitwise", True),
+    ]
+    rows = []
+    for name, floor, kernel, xla, names, check, runs in ops:
+        args = argsets(*names)
+        rows.append(_measure(label, name, floor, kernel if runs else None, xla, args, check,
+                             repeats))
+        print(format_row(rows[-1], None), flush=True)
+    return rows
+
+
+def _measure(label, name, floor, kernel, xla, args, check, repeats) -> Row:
+    notes = []
+
+    def timed(fn):
+        try:
+            return per_call_seconds(fn, args, repeats)
+        except Exception as e:  # e.g. out of memory at the largest shape: keep the others
+            notes.append(f"failed: {type(e).__name__}: {str(e)[:90]}")
+            return None
+
+    xla_s = timed(xla)
+    if kernel is None:
+        return Row(label, name, floor, None, xla_s, "-",
+                   "FP8 buffer of 2-4 GiB with H not a multiple of 4: routed to the reference")
+    kernel_s = timed(kernel)
+    verdict = "-"
+    if xla_s is not None and kernel_s is not None:
+        got, want = jax.jit(kernel)(*args[0]), jax.jit(xla)(*args[0])
+        pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+        if check == "bitwise":
+            verdict = "ok" if all(_bitwise(a, b) for a, b in pairs) else "MISMATCH"
+        else:
+            errs = [_rel(a, b) for a, b in pairs]
+            verdict = (("ok " if max(errs) <= 1e-2 else "MISMATCH ")
+                       + "/".join(f"{e:.1e}" for e in errs))
+        del got, want, pairs
+    return Row(label, name, floor, kernel_s, xla_s, verdict, "; ".join(notes))
+
+
+@contextlib.contextmanager
+def patched(module, **attrs) -> Iterator[None]:
+    saved = {name: getattr(module, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def unfused_dispatch(x, experts, num_experts):
+    """The model's dispatch before the fused ops: stable argsort, bincount, XLA gather."""
+    order = jnp.argsort(experts.reshape(-1), stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
+    rows, _ = ref.permute(x, order, experts.shape[1], quantize=False)
+    return model_dispatch.Dispatched(rows, sizes, order)
+
+
+def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
+    """Forward+backward of the routed experts of one `small` MoE layer, fused vs unfused."""
+    config = get_model_preset("small")
+    h, e, inner = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+    ks = jax.random.split(jax.random.key(tokens), 6)
+    seq = min(tokens, 1024)
+    x = jax.random.normal(ks[0], (tokens // seq, seq, h), jnp.bfloat16)
+    router = jax.random.normal(ks[1], (h, e), jnp.float32) * 0.05
+    weights = ExpertWeights(*(jax.random.normal(kk, shape, jnp.bfloat16) * 0.02 for kk, shape in
+                              zip(ks[2:5], ((e, h, inner), (e, h, inner), (e, inner, h)))))
+    probe = jax.random.normal(ks[5], x.shape, jnp.float32)
+    bias = jnp.zeros((e,), jnp.float32)
+
+    def make_step(*run_experts):  # a fresh function per variant: jit caches per function
+        def step(x, router, weights):
+            def loss(x, router, weights):
+                out = moe.routed_experts_local(x, router, bias, weights, config, *run_experts)
+                return jnp.sum(out.y.astype(jnp.float32) * probe)
+            return jax.grad(loss, argnums=(0, 1, 2))(x, router, weights)
+        return jax.jit(step)
+
+    results = []
+    for variant, attrs in (("fused", {}),
+                           ("unfused", dict(dispatch=unfused_dispatch, combine=ref.combine))):
+        with patched(moe, **attrs):
+            full = make_step()
+            t_full = per_call_seconds(full, [(x, router, weights)], repeats)
+            bare = make_step(lambda rows, sizes, w: rows)  # identity experts: movement + router
+            t_bare = per_call_seconds(bare, [(x, router, weights)], repeats)
+            split, top = None, None
+            if profile_dir:
+                from moejax import profiling
+                trace_dir = f"{profile_dir}/moe_{variant}_{tokens}"
+                split = profiling.profile(lambda: full(x, router, weights), trace_dir)
+                top = top_kernels(profiling.load_kernel_events(trace_dir))
+        results.append({
+            "tokens": tokens, "variant": variant, "layer_ms": 1e3 * t_full,
+            "tokens_per_s": tokens / t_full, "identity_experts_ms": 1e3 * t_bare,
+            "trace_movement_ms": split.busy_ms["movement"] if split else None,
+            "trace_busy_ms": split.total_busy_ms if split else None,
+            "trace_busy_by_category_ms": split.busy_ms if split else None,
+            "trace_top_kernels": top})
+    return results
+
+
+def top_kernels(events, count: int = 15) -> list[tuple[str, str, float]]:
+    """(name, category, total us) of the kernels with the most device time in a trace."""
+    total: dict[tuple[str, str], float] = {}
+    for e in events:
+        key = (e.name[:80], e.category)
+        total[key] = total.get(key, 0.0) + e.dur_us
+    return [(n, c, round(us, 1)) for (n, c), us in
+            sorted(total.items(), key=lambda kv: -kv[1])[:count]]
+
+
+TUNE = {  # (block_rows, block_cols, num_warps) tried per kernel by --tune
+    "permute": [(32, 512, 4), (16, 512, 4), (64, 512, 8), (32, 1024, 8), (16, 1024, 4),
+                (8, 2048, 4), (64, 256, 4)],
+    "combine": [(16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (32, 512, 8)],
+    "transpose": [(128, 64, 4), (128, 32, 4), (128, 128, 8), (128, 64, 8)],
+}
+
+
+def tune(tokens: int, copy_bw: float, repeats: int) -> None:
+    """Times each kernel under each TUNE config at one T, both hidden sizes."""
+    print("\n| kernel | H | block_rows x block_cols, warps | us | % copy |\n|---|---|---|---|---|")
+    for hidden, experts in PAIRED:
+        n = tokens * K
+        ks = jax.random.split(jax.random.key(1), 4)
+        x = jax.random.normal(ks[0], (tokens, hidden), jnp.bfloat16)
+        perm, _ = pk.sort_by_expert(_routing(ks[1], tokens, experts), experts)
+        w = jax.random.uniform(ks[2], (tokens, K), jnp.float32)
+        y = jax.random.normal(ks[3], (n, hidden), jnp.bfloat16)
+        cases = [
+            ("permute fp8", "permute", 2 * tokens * hidden + n * hidden,
+             lambda c: (lambda x, p: tm.permute(x, p, K, quantize=True, cfg=c)), (x, perm)),
+            ("permute bf16", "permute", 2 * tokens * hidden + 2 * n * hidden,
+             lambda c: (lambda x, p: tm.permute(x, p, K, quantize=False, cfg=c)), (x, perm)),
+            ("combine", "combine", 2 * n * hidden + 2 * tokens * hidden,
+             lambda c: functools.partial(tm.combine, cfg=c), (y, perm, w)),
+            ("combine_backward", "combine", 2 * tokens * hidden + 4 * n * hidden,
+             lambda c: functools.partial(tm.combine_backward, cfg=c), (x, y, perm, w)),
+            ("quantize_along_tokens", "transpose", 3 * tokens * hidden,
+             lambda c: functools.partial(tm.quantize_along_tokens, cfg=c), (x,)),
+        ]
+        for label, family, nbytes, make, args in cases:
+            for rows, cols, warps in TUNE[family]:
+                cfg = tm.MoveConfig(rows, cols, warps)
+                try:
+                    sec = per_call_seconds(make(cfg), [args], repeats)
+                    print(f"| {label} | {hidden} | {rows}x{cols}, {warps} | {1e6 * sec:.0f} "
+                          f"| {100 * nbytes / copy_bw / sec:.0f}% |", flush=True)
+                except Exception as e:  # a config Triton refuses is a result too
+                    print(f"| {label} | {hidden} | {rows}x{cols}, {warps} | failed: "
+                          f"{type(e).__name__} {str(e)[:80]} | |", flush=True)
+
+
+def _us(s: float | None) -> str:
+    return "n/a" if s is None else f"{1e6 * s:.0f}"
+
+
+def format_row(r: Row, copy_bw: float | None) -> str:
+    """A table row; without copy_bw (progress lines) the fractions are left out."""
+    floor = r.floor_bytes / copy_bw if copy_bw else None
+    pct = lambda s: "n/a" if s is None or floor is None else f"{100 * floor / s:.0f}%"  # noqa: E731
+    speed = "n/a" if None in (r.kernel_s, r.xla_s) else f"{r.xla_s / r.kernel_s:.2f}x"
+    return (f"| {r.shape} | {r.op} | {_us(floor)} | {_us(r.kernel_s)} | {pct(r.kernel_s)} "
+            f"| {_us(r.xla_s)} | {pct(r.xla_s)} | {speed} | {r.check} {r.note} |")
+
+
+def print_tables(copy_bw: float, rows: list[Row], layers: list[dict]) -> None:
+    print(f"\ncopy bandwidth (x * 1.5, 1 GiB bf16, read + write): {copy_bw / 1e9:.0f} GB/s")
+    print("\n| shape | op | floor us | kernel us | kernel % copy | XLA us | XLA % copy "
+          "| XLA / kernel | check |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(format_row(r, copy_bw))
+    if not layers:
+        return
+    print("\n| MoE layer fwd+bwd (small) | tokens | ms | tokens/s | without expert FFN ms "
+          "| share (timed) | trace movement ms | trace busy ms | share (trace) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for d in layers:
+        trace = d["trace_movement_ms"]
+        share = "-" if trace is None else f"{100 * trace / d['trace_busy_ms']:.0f}%"
+        print(f"| {d['variant']} | {d['tokens']} | {d['layer_ms']:.2f} | {d['tokens_per_s']:,.0f} "
+              f"| {d['identity_experts_ms']:.2f} "
+              f"| {100 * d['identity_experts_ms'] / d['layer_ms']:.0f}% "
+              f"| {'-' if trace is None else f'{trace:.2f}'} "
+              f"| {'-' if trace is None else '%.2f' % d['trace_busy_ms']} | {share} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="T=4096 only, one MoE size")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--crossed", action="store_true",
+                        help="every (H, E) pair, not only V3's and V2-Lite's (E changes only "
+                             "the sort: the data passes move the same bytes)")
+    parser.add_argument("--interpret", action="store_true",
+                        help="kernels in Pallas interpret mode (a CPU smoke run at tiny --tokens)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--moe-tokens", default="8192,32768", help="'' to skip the MoE layer")
+    parser.add_argument("--profile", default=None, help="trace dir for the MoE layer split")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--tune", action="store_true", help="sweep kernel tile configs first")
+    args = parser.parse_args()
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+          f"backend {pk.backend()}", flush=True)
+    copy_bw = copy_bandwidth(args.repeats)
+    if args.tune:
+        tune(16384, copy_bw, args.repeats)
+    rows: list[Row] = []
+    tokens_list = [int(t) for t in args.tokens.split(",")][:1 if args.quick else None]
+    for tokens in tokens_list:
+        for hidden, experts in CROSSED if args.crossed else PAIRED:
+            rows += shape_rows(tokens, hidden, experts, args.repeats, args.interpret)
+            print(f"done T={tokens} H={hidden} E={experts}", flush=True)
+    moe_tokens = [int(t) for t in args.moe_tokens.split(",") if t][:1 if args.quick else None]
+    layers = [d for t in moe_tokens for d in moe_layer(t, args.repeats, args.profile)]
+    copy_bw = max(copy_bw, copy_bandwidth(args.repeats))  # again, with the clocks up
+    print_tables(copy_bw, rows, layers)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_GBps": copy_bw / 1e9, "rows": [dataclasses.asdict(r) for r in rows],
+                       "moe_layer": layers}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Public token-movement ops around a MoE layer: dispatch (sort the T*k token copies by
+expert, optionally quantized to FP8 on the way) and combine (un-sort, weight, sum over k).
+
+The sort itself is index math on T*k int32 keys, shared by every backend; the passes over
+the (T*k, H) data run on the backend chosen in `backend.py` (Triton kernels, the same
+kernels interpreted, or the pure-JAX reference in `movement_reference.py`).
+
+Differentiation: the BF16 dispatch's backward is the inverse permutation with the k copies
+summed (a combine with unit weights); combine's backward is a weighted dispatch of the
+gradient plus one dot per copy for the router weights. The FP8 dispatch is forward-only:
+its consumers (an all_to_all, an FP8 GEMM) own the backward, which moves BF16 gradients.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import movement_reference, triton_movement
+from pallas_kernels.backend import backend
+
+# Ops whose XLA compile of the reference already runs at the kernel's speed on a GPU, so
+# the triton backend uses the reference for them: combine's forward (mostly reads; XLA
+# fuses it into one pass, and the kernel ran at 0.82-1.07x XLA's speed on an H100 over
+# T = 4096-65536; experiments/bench_movement.py, docs/performance.md).
+XLA_MATCHES_ON_GPU: frozenset[str] = frozenset({"combine"})
+SORT_KEY_LIMIT = 2**31  # sort_by_expert's keys expert * T*k + position must fit int32
+
+
+class Dispatched(NamedTuple):
+    tokens: jax.Array  # (T*k, H) token copies sorted by expert; FP8 when quantized
+    scales: jax.Array | None  # (T*k, ceil(H/128)) FP32 1x128 scales, None for BF16
+    group_sizes: jax.Array  # (E,) int32 rows per expert
+    permutation: jax.Array  # (T*k,) int32: sorted row j holds flat copy permutation[j]
+
+
+def _impl(op: str, *shape_dtypes: tuple[tuple[int, ...], jnp.dtype]):
+    """The function that runs `op` on the current backend; the reference where XLA matches
+    the kernel, or where an operand is too large for the kernels' 32-bit offsets."""
+    name = backend()
+    fits = all(triton_movement.offsets_fit(shape, dtype) for shape, dtype in shape_dtypes)
+    if name == "reference" or not fits or (name == "triton" and op in XLA_MATCHES_ON_GPU):
+        return getattr(movement_reference, op)
+    return functools.partial(getattr(triton_movement, op), interpret=name == "interpret")
+
+
+def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(permutation, group_sizes) of a stable sort of the flat (T*k,) expert ids.
+
+    One single-operand sort of the unique keys expert * n + position (stable by
+    construction) instead of a key-value argsort.
+    """
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    n = flat.shape[0]
+    position = jnp.arange(n, dtype=jnp.int32)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    if num_experts * n >= SORT_KEY_LIMIT:
+        return jnp.argsort(flat, stable=True).astype(jnp.int32), sizes
+    return jax.lax.sort(flat * n + position) % n, sizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _permute_rows(x: jax.Array, permutation: jax.Array, k: int) -> jax.Array:
+    shapes = ((x.shape, x.dtype), ((permutation.shape[0], x.shape[1]), x.dtype))
+    return _impl("permute", *shapes)(x, permutation, k, quantize=False)[0]
+
+
+def _permute_rows_fwd(x, permutation, k):
+    return _permute_rows(x, permutation, k), (permutation, x.shape[0])
+
+
+def _permute_rows_bwd(k, residuals, ct):
+    permutation, tokens = residuals
+    dx = combine(ct, permutation, jnp.ones((tokens, k), jnp.float32))
+    return dx, None
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _permute_quantized(x, permutation, k):
+    n, h = permutation.shape[0], x.shape[1]
+    out = (n, h // 4) if triton_movement.packs_fp8(n, h) else (n, h)  # uint32 words or bytes
+    shapes = ((x.shape, x.dtype), (out, jnp.float8_e4m3fn if out[1] == h else jnp.uint32))
+    return _impl("permute", *shapes)(x, permutation, k, quantize=True)
+
+
+def _permute_quantized_fwd(x, permutation, k):
+    return _permute_quantized(x, permutation, k), None
+
+
+def _permute_quantized_bwd(k, residuals, ct):
+    raise TypeError("dispatch(quantize=True) is forward-only: differentiate the BF16 dispatch, "
+                    "or give the FP8 consumer (all_to_all, FP8 GEMM) its own backward")
+
+
+_permute_quantized.defvjp(_permute_quantized_fwd, _permute_quantized_bwd)
+
+
+def dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int, *,
+             quantize: bool = True) -> Dispatched:
+    """Sorts the k copies of each row of x (T, H) by their expert in expert_ids (T, k).
+
+    quantize=True: FP8 E4M3 tokens with 1x128 scales, identical to quantize_1x128 of the
+    sorted BF16 rows, in one read of x and one write of the result.
+    """
+    if x.ndim != 2 or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"dispatch wants x (T, H) and expert_ids (T, k); got {x.shape}, "
+                         f"{expert_ids.shape}")
+    k = expert_ids.shape[1]
+    permutation, group_sizes = sort_by_expert(expert_ids, num_experts)
+    if quantize:
+        tokens, scales = _permute_quantized(x, permutation, k)
+    else:
+        tokens, scales = _permute_rows(x, permutation, k), None
+    return Dispatched(tokens, scales, group_sizes, permutation)
+
+
+@jax.custom_vjp
+def combine(y: jax.Array, permutation: jax.Array, weights: jax.Array) -> jax.Array:
+    """(T, H) = sum over k of weights[t, s] * y[row of copy (t, s)], summed in FP32, in y's
+    dtype; y (T*k, H) holds the expert outputs in dispatch's sorted order."""
+    if y.ndim != 2 or weights.ndim != 2 or not y.shape[0] == weights.size == permutation.shape[0]:
+        raise ValueError(f"combine wants y (T*k, H), permutation (T*k,), weights (T, k); got "
+                         f"{y.shape}, {permutation.shape}, {weights.shape}")
+    return _impl("combine", (y.shape, y.dtype))(y, permutation, weights)
+
+
+def _combine_fwd(y, permutation, weights):
+    return combine(y, permutation, weights), (y, permutation, weights)
+
+
+def _combine_bwd(residuals, g):
+    y, permutation, weights = residuals
+    dy, dweights = _impl("combine_backward", (y.shape, y.dtype))(g, y, permutation, weights)
+    return dy, None, dweights
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def quantize_along_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """quantize_1x128(x.T) for wgrad, read straight from row-major x (M, K): (K, M) FP8 and
+    (K, ceil(M/128)) FP32 scales, with no separate transpose pass."""
+    if x.ndim != 2:
+        raise ValueError(f"quantize_along_tokens wants x (M, K), got {x.shape}")
+    shapes = ((x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn))
+    return _impl("quantize_along_tokens", *shapes)(x)

@@ -1,0 +1,55 @@
+"""Pure-JAX references for the token-movement kernels (XLA compiles them as it likes).
+
+Same signatures as `triton_movement`, so the backend switch is a module swap. All take the
+permutation made by `movement.sort_by_expert`: sorted row j holds the flat token copy
+permutation[j] = token * k + slot.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.quantize import quantize_1x128
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def inverse_permutation(permutation: jax.Array) -> jax.Array:
+    """inverse[permutation[j]] = j: the sorted row that holds each flat copy."""
+    rows = jnp.arange(permutation.shape[0], dtype=permutation.dtype)
+    return jnp.zeros_like(permutation).at[permutation].set(rows, unique_indices=True)
+
+
+def permute(x: jax.Array, permutation: jax.Array, k: int, *,
+            quantize: bool) -> tuple[jax.Array, jax.Array | None]:
+    """Sorted copies x[permutation // k], FP8 with 1x128 scales if quantize, else x's dtype."""
+    rows = x[permutation // k]
+    return quantize_1x128(rows) if quantize else (rows, None)
+
+
+def combine(y: jax.Array, permutation: jax.Array, weights: jax.Array) -> jax.Array:
+    """out[t] = sum_s weights[t, s] * y[row of copy (t, s)], summed in FP32, in y's dtype."""
+    tokens, k = weights.shape
+    copies = y[inverse_permutation(permutation)].reshape(tokens, k, -1).astype(jnp.float32)
+    out = jnp.einsum("tkh,tk->th", copies, weights.astype(jnp.float32), precision=_HI)
+    return out.astype(y.dtype)
+
+
+def combine_backward(g: jax.Array, y: jax.Array, permutation: jax.Array,
+                     weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Cotangents of combine: dy[j] = w(copy j) * g[token j] (a weighted dispatch of g) and
+    dweights[t, s] = <g[t], y[row of (t, s)]> (one dot per copy), both from FP32 math."""
+    tokens, k = weights.shape
+    token_of_row = permutation // k
+    w_of_row = weights.reshape(-1)[permutation].astype(jnp.float32)
+    g_rows = g[token_of_row].astype(jnp.float32)
+    dy = (w_of_row[:, None] * g_rows).astype(y.dtype)
+    dots = jnp.einsum("jh,jh->j", g_rows, y.astype(jnp.float32), precision=_HI)
+    dweights = jnp.zeros((tokens * k,), jnp.float32).at[permutation].set(dots, unique_indices=True)
+    return dy, dweights.reshape(tokens, k).astype(weights.dtype)
+
+
+def quantize_along_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x (M, K) row-major -> quantize_1x128(x.T): (K, M) FP8 and (K, ceil(M/128)) scales,
+    the layout the token-contracting wgrad GEMM wants."""
+    return quantize_1x128(x.T)

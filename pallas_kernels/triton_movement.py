@@ -1,0 +1,259 @@
+"""Pallas (Triton lowering) token-movement kernels: one read of the input, one write of
+the output, the index math and quantization in registers between them.
+
+- `permute`: sorted copies x[permutation // k], optionally quantized to FP8 with 1x128
+  scales on the way out (the gather and `quantize_1x128` in one pass).
+- `combine`: out[t] = sum over the k copies of weight * row, gathered through the inverse
+  permutation and summed in FP32 registers (un-permute, weight and sum in one pass).
+- `combine_backward`: the weighted dispatch of the gradient and the per-copy dots.
+- `quantize_along_tokens`: quantize_1x128(x.T) read straight from row-major x (the tile is
+  transposed in registers, not by a separate pass over memory).
+
+Quantization is bit-identical to `quantize.quantize_1x128` on the same platform: the
+same FP32 operations in the same order. On an H100 the kernels' FP8 values and scales
+matched XLA's bit for bit over 117M elements with Triton's own `/`; correctly rounded
+division (`div.rn`) did not (XLA's GPU amax / 448 is not the IEEE quotient either).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.movement_reference import inverse_permutation
+from pallas_kernels.quantize import FP8, FP8_MAX, TILE, cdiv
+from pallas_kernels.triton_gemm import _compiler_params, _out_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveConfig:
+    """Tile of one program: block_rows rows (tokens) x block_cols columns (hidden)."""
+
+    block_rows: int
+    block_cols: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+# The best of a small sweep on an H100 at T = 16384, H = 7168 and 2048 (docs/performance.md).
+PERMUTE_CONFIG = MoveConfig(block_rows=16, block_cols=512)
+COMBINE_CONFIG = MoveConfig(block_rows=32, block_cols=256)
+COMBINE_BWD_CONFIG = MoveConfig(block_rows=32, block_cols=256)
+TRANSPOSE_CONFIG = MoveConfig(block_rows=TILE, block_cols=64, num_warps=8)
+
+
+def offsets_fit(shape: tuple[int, ...], dtype) -> bool:
+    """Whether Pallas Triton addresses an array of this type correctly: it uses signed
+    32-bit element offsets unless the array exceeds 4 GiB, so 1-byte arrays of 2-4 GiB
+    (FP8 token buffers of >= 2**31 elements) would wrap."""
+    elements = math.prod(shape)
+    return elements < 2**31 or elements * jnp.dtype(dtype).itemsize > 2**32
+
+
+def _iota(n: int) -> jax.Array:
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _gathered(rows: jax.Array, c0, width: int) -> tuple[jax.Array, jax.Array]:
+    """Index of the (len(rows), width) tile of rows `rows`, columns c0.. (both as arrays:
+    Pallas interpret mode cannot mix an array index with a slice)."""
+    return rows[:, None], (c0 + _iota(width))[None, :]
+
+
+def _quantize_rows(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """FP8 values and FP32 scales of a (rows, 128) tile, one scale per row (masked-out
+    elements must be 0), bit-identical to quantize_1x128.
+
+    amax is an integer max over the bits with the sign cleared: NaN patterns sort above
+    inf, so a NaN in a row makes its scale NaN as jnp.max does (Triton's float max would
+    drop it), in two instructions per element.
+    """
+    v = v.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
+    amax = jax.lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)[:, None]
+    scale = jnp.where(amax == 0, 1.0, amax / FP8_MAX)
+    y = v / scale
+    y = jnp.where(y > FP8_MAX, FP8_MAX, jnp.where(y < -FP8_MAX, -FP8_MAX, y))  # keeps NaN
+    return y.astype(FP8), scale[:, 0]
+
+
+def _call(name: str, kernel, operands, out_shapes, grid, cfg: MoveConfig, interpret: bool,
+          out_init):
+    """pallas_call with optional initial outputs aliased in (tests poison them to catch
+    unwritten elements); the kernel never sees those extra input refs. The name is what
+    profiler traces show (moejax.profiling files it under data movement)."""
+    n_in = len(operands)
+    inits = list(out_init or ())
+    body = kernel if not inits else (
+        lambda *refs: kernel(*refs[:n_in], *refs[n_in + len(inits):]))
+    return pl.pallas_call(
+        body, out_shape=out_shapes, grid=grid, compiler_params=_compiler_params(cfg), name=name,
+        interpret=interpret,
+        input_output_aliases={n_in + i: i for i in range(len(inits))},
+    )(*operands, *inits)
+
+
+def _pack_words(q: jax.Array) -> jax.Array:
+    """(rows, 128) FP8 -> (rows, 32) uint32, four bytes per word, first byte lowest (what
+    a little-endian bitcast of the words back to bytes reads)."""
+    rows = q.shape[0]
+    byte = jax.lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint32)
+    shift = (8 * _iota(4)).astype(jnp.uint32)
+    return jnp.sum(byte.reshape(rows, TILE // 4, 4) << shift[None, None, :], axis=2)
+
+
+def _permute_kernel(perm_ref, x_ref, *out_refs, k, n_rows, h, cfg, quantize, packed):
+    bm, bh = cfg.block_rows, cfg.block_cols
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(i * bm, bm)
+    row_in = i * bm + _iota(bm) < n_rows
+    src = jax.lax.div(pltriton.load(perm_ref.at[rows], mask=row_in, other=0), k)
+    chunk = TILE if quantize else bh
+    for c in range(bh // chunk):
+        c0 = j * bh + c * chunk
+        mask = row_in[:, None] & (c0 + _iota(chunk) < h)[None, :]
+        v = pltriton.load(x_ref.at[_gathered(src, c0, chunk)], mask=mask, other=0)
+        if not quantize:
+            pltriton.store(out_refs[0].at[rows, pl.ds(c0, chunk)], v, mask=mask)
+            continue
+        q_ref, s_ref = out_refs
+        q, scale = _quantize_rows(v)
+        if packed:
+            words = c0 // 4 + _iota(TILE // 4)
+            pltriton.store(q_ref.at[rows, pl.ds(c0 // 4, TILE // 4)], _pack_words(q),
+                           mask=row_in[:, None] & (words < h // 4)[None, :])
+        else:
+            pltriton.store(q_ref.at[rows, pl.ds(c0, chunk)], q, mask=mask)
+        tile = c0 // TILE
+        pltriton.store(s_ref.at[rows, tile], scale, mask=row_in & (tile < cdiv(h, TILE)))
+
+
+def packs_fp8(n_rows: int, h: int) -> bool:
+    """Whether permute writes its FP8 rows as uint32 words: where a byte buffer would be
+    past Pallas Triton's 32-bit offsets, and the words fit them (H a multiple of 4)."""
+    return not offsets_fit((n_rows, h), FP8) and h % 4 == 0
+
+
+@functools.partial(jax.jit, static_argnames=("k", "quantize", "cfg", "interpret", "packed"))
+def permute(x, permutation, k, *, quantize, cfg=None, interpret=False, out_init=None,
+            packed=None):
+    """See movement_reference.permute. packed (default: packs_fp8) writes the FP8 rows as
+    uint32 words, bitcast back to bytes for free outside the kernel."""
+    cfg = cfg or PERMUTE_CONFIG
+    if quantize and cfg.block_cols % TILE:
+        raise ValueError(f"quantizing needs block_cols a multiple of {TILE}, got {cfg.block_cols}")
+    n_rows, h = permutation.shape[0], x.shape[1]
+    packed = quantize and (packs_fp8(n_rows, h) if packed is None else packed)
+    if quantize:
+        values = (_out_shape((n_rows, h // 4), jnp.uint32, x, permutation) if packed
+                  else _out_shape((n_rows, h), FP8, x, permutation))
+        outs = (values, _out_shape((n_rows, cdiv(h, TILE)), jnp.float32, x, permutation))
+    else:
+        outs = (_out_shape((n_rows, h), x.dtype, x, permutation),)
+    kernel = functools.partial(_permute_kernel, k=k, n_rows=n_rows, h=h, cfg=cfg,
+                               quantize=quantize, packed=packed)
+    grid = (cdiv(n_rows, cfg.block_rows), cdiv(h, cfg.block_cols))
+    result = _call("dispatch_permute", kernel, [permutation, x], outs, grid, cfg, interpret,
+                   out_init)
+    if not quantize:
+        return result[0], None
+    values = result[0]
+    if packed:
+        values = jax.lax.bitcast_convert_type(values, jnp.uint8).reshape(n_rows, h)
+        values = jax.lax.bitcast_convert_type(values, FP8)
+    return values, result[1]
+
+
+def _combine_kernel(inv_ref, w_ref, y_ref, o_ref, *, k, tokens, h, cfg):
+    bt, bh = cfg.block_rows, cfg.block_cols
+    i, j = pl.program_id(0), pl.program_id(1)
+    toks = i * bt + _iota(bt)
+    tok_in = toks < tokens
+    cols = pl.ds(j * bh, bh)
+    mask = tok_in[:, None] & (j * bh + _iota(bh) < h)[None, :]
+    acc = jnp.zeros((bt, bh), jnp.float32)
+    for s in range(k):
+        copy = toks * k + s
+        row = pltriton.load(inv_ref.at[copy], mask=tok_in, other=0)
+        w = pltriton.load(w_ref.at[copy], mask=tok_in, other=0.0)
+        v = pltriton.load(y_ref.at[_gathered(row, j * bh, bh)], mask=mask, other=0)
+        acc = acc + w[:, None] * v.astype(jnp.float32)
+    pltriton.store(o_ref.at[pl.ds(i * bt, bt), cols], acc.astype(o_ref.dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def combine(y, permutation, weights, *, cfg=None, interpret=False, out_init=None):
+    """See movement_reference.combine."""
+    cfg = cfg or COMBINE_CONFIG
+    (tokens, k), h = weights.shape, y.shape[1]
+    operands = [inverse_permutation(permutation), weights.reshape(-1).astype(jnp.float32), y]
+    kernel = functools.partial(_combine_kernel, k=k, tokens=tokens, h=h, cfg=cfg)
+    grid = (cdiv(tokens, cfg.block_rows), cdiv(h, cfg.block_cols))
+    out = _out_shape((tokens, h), y.dtype, y, permutation, weights)
+    return _call("combine", kernel, operands, out, grid, cfg, interpret, out_init)
+
+
+def _combine_bwd_kernel(perm_ref, w_ref, g_ref, y_ref, dy_ref, dw_ref, *, k, n_rows, h, cfg):
+    bm, bh = cfg.block_rows, cfg.block_cols
+    i = pl.program_id(0)
+    rows = pl.ds(i * bm, bm)
+    row_in = i * bm + _iota(bm) < n_rows
+    copy = pltriton.load(perm_ref.at[rows], mask=row_in, other=0)
+    tok = jax.lax.div(copy, k)
+    w = pltriton.load(w_ref.at[copy], mask=row_in, other=0.0)
+
+    def step(c, dots):
+        cols = pl.ds(c * bh, bh)
+        mask = row_in[:, None] & (c * bh + _iota(bh) < h)[None, :]
+        g = pltriton.load(g_ref.at[_gathered(tok, c * bh, bh)], mask=mask, other=0)
+        g = g.astype(jnp.float32)
+        v = pltriton.load(y_ref.at[rows, cols], mask=mask, other=0).astype(jnp.float32)
+        pltriton.store(dy_ref.at[rows, cols], (w[:, None] * g).astype(dy_ref.dtype), mask=mask)
+        return dots + jnp.sum(g * v, axis=1)
+
+    dots = jax.lax.fori_loop(0, cdiv(h, bh), step, jnp.zeros((bm,), jnp.float32))
+    pltriton.store(dw_ref.at[copy], dots, mask=row_in)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def combine_backward(g, y, permutation, weights, *, cfg=None, interpret=False, out_init=None):
+    """See movement_reference.combine_backward."""
+    cfg = cfg or COMBINE_BWD_CONFIG
+    (tokens, k), (n_rows, h) = weights.shape, y.shape
+    operands = [permutation, weights.reshape(-1).astype(jnp.float32), g, y]
+    outs = (_out_shape((n_rows, h), y.dtype, g, y, permutation, weights),
+            _out_shape((n_rows,), jnp.float32, g, y, permutation, weights))
+    kernel = functools.partial(_combine_bwd_kernel, k=k, n_rows=n_rows, h=h, cfg=cfg)
+    grid = (cdiv(n_rows, cfg.block_rows),)
+    dy, dw = _call("combine_backward", kernel, operands, outs, grid, cfg, interpret, out_init)
+    return dy, dw.reshape(tokens, k).astype(weights.dtype)
+
+
+def _quantize_tokens_kernel(x_ref, q_ref, s_ref, *, m, kdim, cfg):
+    bk = cfg.block_cols
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * bk, bk)
+    row_in = i * TILE + _iota(TILE) < m
+    col_in = j * bk + _iota(bk) < kdim
+    v = pltriton.load(x_ref.at[rows, cols], mask=row_in[:, None] & col_in[None, :], other=0)
+    q, scale = _quantize_rows(v.T)  # (bk, 128): one scale per column of x
+    pltriton.store(q_ref.at[cols, rows], q, mask=col_in[:, None] & row_in[None, :])
+    pltriton.store(s_ref.at[cols, i], scale, mask=col_in)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def quantize_along_tokens(x, *, cfg=None, interpret=False, out_init=None):
+    """See movement_reference.quantize_along_tokens."""
+    cfg = cfg or TRANSPOSE_CONFIG
+    if cfg.block_rows != TILE:
+        raise ValueError(f"quantize_along_tokens needs block_rows == {TILE}, got {cfg.block_rows}")
+    m, kdim = x.shape
+    outs = (_out_shape((kdim, m), FP8, x), _out_shape((kdim, cdiv(m, TILE)), jnp.float32, x))
+    kernel = functools.partial(_quantize_tokens_kernel, m=m, kdim=kdim, cfg=cfg)
+    grid = (cdiv(m, TILE), cdiv(kdim, cfg.block_cols))
+    return tuple(_call("transpose_quantize", kernel, [x], outs, grid, cfg, interpret, out_init))

@@ -1,0 +1,291 @@
+"""Token-movement ops (dispatch, combine, transposed quantization) against independent
+references: NumPy index math, `quantize_1x128`, float64 sums, jax.grad of the pure-JAX
+reference. CPU runs the kernels in Pallas interpret mode; `-m gpu` runs them as Triton.
+
+Fresh random inputs per check; kernel outputs start as NaN (interpret mode's fill, or an
+explicit poisoned buffer) so an unwritten element fails the comparison.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import movement, movement_reference as ref, triton_movement as tm
+
+SMALL = tm.MoveConfig(block_rows=16, block_cols=256)  # tiles smaller than every T, H below
+# (tokens, k, experts, routing): T never a multiple of a tile; one expert only; empty experts.
+ROUTINGS = [(37, 1, 5, "random"), (45, 8, 16, "random"), (33, 4, 8, "one expert"),
+            (50, 2, 12, "two experts")]
+
+
+def _rng(request) -> np.random.Generator:
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+def _expert_ids(rng, tokens, k, experts, routing) -> np.ndarray:
+    if routing == "one expert":
+        return np.full((tokens, k), experts // 2, np.int32)
+    if routing == "two experts":  # every other expert stays empty
+        return rng.choice([0, experts - 1], (tokens, k)).astype(np.int32)
+    return np.argsort(rng.random((tokens, experts)), axis=1)[:, :k].astype(np.int32)  # top-k
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a).view(np.uint8) if a.dtype == jnp.float8_e4m3fn else np.asarray(a)
+
+
+def _rel64(out, ref64: np.ndarray) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    assert np.all(np.isfinite(out)), "non-finite output (unwritten element?)"
+    return float(np.linalg.norm(out - ref64) / np.linalg.norm(ref64))
+
+
+@pytest.mark.parametrize("tokens,k,experts,routing", ROUTINGS)
+def test_sort_by_expert_is_a_stable_sort(request, monkeypatch, tokens, k, experts, routing):
+    ids = _expert_ids(_rng(request), tokens, k, experts, routing)
+    want = np.argsort(ids.reshape(-1), kind="stable")
+    sizes = np.bincount(ids.reshape(-1), minlength=experts)
+    perm, group_sizes = pk.sort_by_expert(jnp.asarray(ids), experts)
+    np.testing.assert_array_equal(perm, want)
+    np.testing.assert_array_equal(group_sizes, sizes)
+    monkeypatch.setattr(movement, "SORT_KEY_LIMIT", 0)  # the argsort path for huge E * T * k
+    perm, group_sizes = pk.sort_by_expert(jnp.asarray(ids), experts)
+    np.testing.assert_array_equal(perm, want)
+    np.testing.assert_array_equal(group_sizes, sizes)
+
+
+@pytest.mark.parametrize("tokens,k,experts,routing", ROUTINGS)
+@pytest.mark.parametrize("hidden", [300, 256])
+def test_permute_kernel_is_bitwise_the_gather(request, tokens, k, experts, routing, hidden):
+    rng = _rng(request)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)) * 4, jnp.bfloat16)
+    ids = _expert_ids(rng, tokens, k, experts, routing)
+    perm = np.argsort(ids.reshape(-1), kind="stable").astype(np.int32)
+    rows = np.asarray(x)[perm // k]  # every copy once, sorted by expert
+    rows_q, scales = pk.quantize_1x128(jnp.asarray(rows))
+    n, nb = tokens * k, -(-hidden // 128)
+    poison = (jnp.full((n, hidden), jnp.nan, jnp.float8_e4m3fn), jnp.full((n, nb), jnp.nan))
+    q, s = tm.permute(x, jnp.asarray(perm), k, quantize=True, cfg=SMALL, interpret=True,
+                      out_init=poison)
+    np.testing.assert_array_equal(_bits(q), _bits(rows_q))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(scales))
+    plain, none = tm.permute(x, jnp.asarray(perm), k, quantize=False, cfg=SMALL, interpret=True)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(plain).view(np.uint16), rows.view(np.uint16))
+
+
+def test_permute_packs_fp8_rows_into_words_bitwise(request):
+    """The layout used where an FP8 byte buffer would pass Pallas Triton's 32-bit offsets."""
+    rng = _rng(request)
+    x = jnp.asarray(rng.standard_normal((37, 384)) * 4, jnp.bfloat16)
+    perm = jnp.asarray(rng.permutation(37 * 3).astype(np.int32))
+    q, s = tm.permute(x, perm, 3, quantize=True, cfg=SMALL, interpret=True, packed=True)
+    want_q, want_s = pk.quantize_1x128(x[perm // 3])
+    np.testing.assert_array_equal(_bits(q), _bits(want_q))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
+    assert tm.packs_fp8(2**19, 7168) and not tm.packs_fp8(2**17, 7168)
+
+
+def test_quantized_permute_propagates_nan_like_quantize_1x128(request):
+    x = jnp.asarray(_rng(request).standard_normal((9, 256)), jnp.float32).at[4, 200].set(jnp.nan)
+    perm = jnp.arange(9, dtype=jnp.int32)[::-1]
+    q, s = tm.permute(x, perm, 1, quantize=True, cfg=SMALL, interpret=True)
+    want_q, want_s = pk.quantize_1x128(x[perm])
+    np.testing.assert_array_equal(np.isnan(np.asarray(s)), np.isnan(np.asarray(want_s)))
+    assert np.isnan(np.asarray(s)[4, 1]) and np.isfinite(np.asarray(s)[4, 0])
+    fin = np.isfinite(np.asarray(want_q, np.float32))
+    np.testing.assert_array_equal(_bits(q)[fin], _bits(want_q)[fin])
+
+
+@pytest.mark.parametrize("tokens,k,experts,routing", ROUTINGS[:2])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-7), (jnp.bfloat16, 4e-3)])
+def test_combine_kernel_matches_float64(request, tokens, k, experts, routing, dtype, tol):
+    rng = _rng(request)
+    hidden = 300
+    ids = _expert_ids(rng, tokens, k, experts, routing)
+    perm = np.argsort(ids.reshape(-1), kind="stable").astype(np.int32)
+    y = jnp.asarray(rng.standard_normal((tokens * k, hidden)), dtype)
+    w = rng.random((tokens, k)).astype(np.float32)
+    y64 = np.asarray(jnp.asarray(y, jnp.float32), np.float64)
+    want = np.zeros((tokens, hidden))
+    for row, copy in enumerate(perm):
+        want[copy // k] += w[copy // k, copy % k] * y64[row]
+    poison = (jnp.full((tokens, hidden), jnp.nan, dtype),)
+    out = tm.combine(y, jnp.asarray(perm), jnp.asarray(w), cfg=SMALL, interpret=True,
+                     out_init=poison)
+    assert out.dtype == dtype and _rel64(out, want) <= tol
+
+
+def test_combine_backward_kernel_matches_float64(request):
+    rng = _rng(request)
+    tokens, k, hidden = 29, 3, 300
+    perm = rng.permutation(tokens * k).astype(np.int32)
+    g, y = rng.standard_normal((tokens, hidden)), rng.standard_normal((tokens * k, hidden))
+    w = rng.random((tokens, k))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    dy, dw = tm.combine_backward(f32(g), f32(y), jnp.asarray(perm), f32(w), cfg=SMALL,
+                                 interpret=True)
+    g, y, w = (np.asarray(f32(a), np.float64) for a in (g, y, w))
+    want_dy = w.reshape(-1)[perm][:, None] * g[perm // k]
+    want_dw = np.zeros(tokens * k)
+    want_dw[perm] = np.sum(g[perm // k] * y, axis=1)
+    assert _rel64(dy, want_dy) <= 2e-7 and _rel64(dw, want_dw.reshape(tokens, k)) <= 2e-7
+
+
+@pytest.mark.parametrize("m,kdim", [(300, 200), (128, 64), (77, 129)])
+def test_quantize_along_tokens_is_quantize_1x128_of_the_transpose(request, m, kdim):
+    x = jnp.asarray(_rng(request).standard_normal((m, kdim)) * 3, jnp.bfloat16)
+    poison = (jnp.full((kdim, m), jnp.nan, jnp.float8_e4m3fn),
+              jnp.full((kdim, -(-m // 128)), jnp.nan))
+    q, s = tm.quantize_along_tokens(x, interpret=True, out_init=poison)
+    want_q, want_s = pk.quantize_1x128(x.T)
+    np.testing.assert_array_equal(_bits(q), _bits(want_q))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
+
+
+def _moe_loss(dispatch, combine, probe, experts):
+    """A scalar through dispatch -> a per-row nonlinearity -> combine, as the MoE uses them."""
+    def loss(x, ids, w):
+        tokens, perm = dispatch(x, ids, experts)
+        y = jnp.tanh(tokens.astype(jnp.float32)).astype(x.dtype) * 1.5
+        return jnp.sum(combine(y, perm, w).astype(jnp.float32) * probe)
+    return loss
+
+
+def _public_dispatch(x, ids, experts):
+    sent = pk.dispatch(x, ids, experts, quantize=False)
+    return sent.tokens, sent.permutation
+
+
+def _reference_dispatch(x, ids, experts):
+    perm, _ = pk.sort_by_expert(ids, experts)
+    return ref.permute(x, perm, ids.shape[1], quantize=False)[0], perm
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+@pytest.mark.parametrize("tokens,k,experts,routing", [ROUTINGS[1], ROUTINGS[2]])
+def test_gradients_match_jax_grad_of_the_reference(request, backend, tokens, k, experts,
+                                                   routing):
+    rng = _rng(request)
+    hidden = 300
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+    ids = jnp.asarray(_expert_ids(rng, tokens, k, experts, routing))
+    w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+    probe = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+    want = jax.grad(_moe_loss(_reference_dispatch, ref.combine, probe, experts),
+                    argnums=(0, 2))(x, ids, w)
+    with pk.use_backend(backend):
+        got = jax.grad(_moe_loss(_public_dispatch, pk.combine, probe, experts),
+                       argnums=(0, 2))(x, ids, w)
+    for g, r in zip(got, want):
+        assert _rel64(g, np.asarray(r, np.float64)) <= 1e-6
+
+
+def test_public_ops_agree_across_backends(request):
+    rng = _rng(request)
+    tokens, k, experts, hidden = 45, 8, 16, 300
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    ids = jnp.asarray(_expert_ids(rng, tokens, k, experts, "random"))
+    w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+    out = {}
+    for backend in ("interpret", "reference"):
+        with pk.use_backend(backend):
+            sent = pk.dispatch(x, ids, experts)
+            plain = pk.dispatch(x, ids, experts, quantize=False)
+            out[backend] = (sent, pk.combine(plain.tokens, plain.permutation, w),
+                            pk.quantize_along_tokens(x))
+    (a, ca, qa), (b, cb, qb) = out["interpret"], out["reference"]
+    np.testing.assert_array_equal(_bits(a.tokens), _bits(b.tokens))
+    np.testing.assert_array_equal(a.scales, b.scales)
+    np.testing.assert_array_equal(a.group_sizes, b.group_sizes)
+    np.testing.assert_array_equal(a.permutation, b.permutation)
+    assert a.group_sizes.sum() == tokens * k
+    np.testing.assert_allclose(np.asarray(ca, np.float32), np.asarray(cb, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(_bits(qa[0]), _bits(qb[0]))
+
+
+def test_fp8_dispatch_refuses_differentiation():
+    x = jnp.ones((4, 128), jnp.float32)
+    ids = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(TypeError, match="forward-only"):
+        jax.grad(lambda x: jnp.sum(pk.dispatch(x, ids, 2).scales))(x)
+
+
+def test_shape_errors_name_the_operands():
+    with pytest.raises(ValueError, match="expert_ids"):
+        pk.dispatch(jnp.ones((4, 128)), jnp.zeros((5, 2), jnp.int32), 2)
+    with pytest.raises(ValueError, match="weights"):
+        pk.combine(jnp.ones((8, 128)), jnp.arange(8), jnp.ones((3, 2)))
+
+
+def test_offsets_fit_marks_the_fp8_buffers_pallas_triton_would_wrap():
+    assert tm.offsets_fit((2**20, 2**10), jnp.float8_e4m3fn)
+    assert not tm.offsets_fit((2**21, 2**10), jnp.float8_e4m3fn)  # 2 GiB of 1-byte elements
+    assert not tm.offsets_fit((2**21, 2**10), jnp.bfloat16)  # exactly 4 GiB: still 32-bit
+    assert tm.offsets_fit((2**21 + 1, 2**10), jnp.bfloat16)  # over 4 GiB: 64-bit offsets
+
+
+@pytest.mark.parametrize("op", ["permute_fp8", "permute_fp8_words", "permute", "combine",
+                                "combine_backward", "quantize_along_tokens"])
+def test_triton_kernels_lower_for_cuda(op):
+    """The Triton lowering (not the interpreter) accepts every kernel: caught here, on CPU,
+    before a GPU is needed."""
+    t, k, h = 37, 3, 300
+    x, perm = jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((t * k,), jnp.int32)
+    w, y = jax.ShapeDtypeStruct((t, k), jnp.float32), jax.ShapeDtypeStruct((t * k, h), jnp.bfloat16)
+    fn, args = {
+        "permute_fp8": (lambda x, p: tm.permute(x, p, k, quantize=True), (x, perm)),
+        "permute_fp8_words": (lambda x, p: tm.permute(x, p, k, quantize=True, packed=True),
+                              (x, perm)),
+        "permute": (lambda x, p: tm.permute(x, p, k, quantize=False), (x, perm)),
+        "combine": (tm.combine, (y, perm, w)),
+        "combine_backward": (tm.combine_backward, (x, y, perm, w)),
+        "quantize_along_tokens": (tm.quantize_along_tokens, (x,)),
+    }[op]
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1
+
+
+# ---- on a GPU: the Triton kernels at model shapes -------------------------------------
+
+@pytest.mark.parametrize("tokens,hidden,k,experts", [(1000, 7168, 8, 256), (777, 2048, 6, 64)])
+@pytest.mark.gpu
+def test_gpu_dispatch_combine_and_grads(tokens, hidden, k, experts):
+    rng = np.random.default_rng(tokens)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)) * 3, jnp.bfloat16)
+    ids = jnp.asarray(_expert_ids(rng, tokens, k, experts, "random"))
+    w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+    with pk.use_backend("triton"):
+        sent = jax.jit(lambda x, i: pk.dispatch(x, i, experts))(x, ids)
+        plain = jax.jit(lambda x, i: pk.dispatch(x, i, experts, quantize=False))(x, ids)
+        mixed = jax.jit(pk.combine)(plain.tokens, plain.permutation, w)
+        qt = jax.jit(pk.quantize_along_tokens)(x)
+    perm = np.argsort(np.asarray(ids).reshape(-1), kind="stable")
+    np.testing.assert_array_equal(sent.permutation, perm)
+    rows = np.asarray(x)[perm // k]
+    want_q, want_s = pk.quantize_1x128(jnp.asarray(rows))
+    np.testing.assert_array_equal(_bits(sent.tokens), _bits(want_q))
+    np.testing.assert_array_equal(np.asarray(sent.scales), np.asarray(want_s))
+    np.testing.assert_array_equal(np.asarray(plain.tokens).view(np.uint16), rows.view(np.uint16))
+    words, _ = jax.jit(lambda x, p: tm.permute(x, p, k, quantize=True, packed=True))(
+        x, sent.permutation)
+    np.testing.assert_array_equal(_bits(words), _bits(want_q))
+    x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    assert _rel64(mixed, x64 * np.asarray(w, np.float64).sum(1, keepdims=True)) <= 4e-3
+    want_qt = pk.quantize_1x128(x.T)
+    np.testing.assert_array_equal(_bits(qt[0]), _bits(want_qt[0]))
+    np.testing.assert_array_equal(np.asarray(qt[1]), np.asarray(want_qt[1]))
+    xf = x.astype(jnp.float32)
+    probe = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+    want = jax.grad(_moe_loss(_reference_dispatch, ref.combine, probe, experts),
+                    argnums=(0, 2))(xf, ids, w)
+    with pk.use_backend("triton"):
+        got = jax.jit(jax.grad(_moe_loss(_public_dispatch, pk.combine, probe, experts),
+                               argnums=(0, 2)))(xf, ids, w)
+    for g, r in zip(got, want):
+        assert _rel64(g, np.asarray(r, np.float64)) <= 1e-5
+
