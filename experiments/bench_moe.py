@@ -23,10 +23,7 @@ other kernel running beside it).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,17 +38,6 @@ from moejax.parallel.expert import (EXPERT_AXIS, ExpertParallelOptions, expert_p
 from moejax import profiling
 from moejax.parallel import distributed
 from moejax.parallel.mesh import MeshSpec, build_mesh
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm up
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _identity_experts(rows, group_sizes, weights):  # noqa: ARG001 - matches RunExperts
@@ -96,10 +82,10 @@ def bench_one(expert: int, transport: str, token_format: str,
         raw = jax.jit(jax.shard_map(
             lambda b: jax.lax.all_to_all(b, EXPERT_AXIS, 0, 0, tiled=True),
             in_specs=P(("data", EXPERT_AXIS)), out_specs=P(("data", EXPERT_AXIS))))
-        t_layer = _median_seconds(lambda: fwd_bwd(params, x), args.repeats)
-        t_exchange = (_median_seconds(lambda: exchange(params, x), args.repeats)
+        t_layer = profiling.median_seconds(lambda: fwd_bwd(params, x), args.repeats)
+        t_exchange = (profiling.median_seconds(lambda: exchange(params, x), args.repeats)
                       if expert > 1 else float("nan"))
-        t_raw = _median_seconds(lambda: raw(buffer), 4 * args.repeats) if expert > 1 else float("nan")
+        t_raw = profiling.median_seconds(lambda: raw(buffer), 4 * args.repeats) if expert > 1 else float("nan")
         split = (profiling.profile(lambda: fwd_bwd(params, x),
                                    f"{args.profile}/expert{expert}_{transport}_{token_format}")
                  if args.profile and jax.default_backend() != "cpu" else None)

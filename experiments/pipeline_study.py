@@ -2,18 +2,27 @@
 
     python -m experiments.pipeline_study [--ranks 4] [--microbatches 8] [--f 1 --b 2 --w 1
         --fb 3 --comm 0] [--show-timeline]
+        [--measure [--preset tiny --layers 8 --batch 16 --seq 32 --mesh pipe=4,data=2]
+         [--profile DIR]]
+    python -m experiments.pipeline_study --fb-pair --mesh expert=2 [--profile DIR]
 
 The "derived" bubble comes from simulating each schedule's op lists under the given
 per-chunk costs; the "paper" column evaluates the DualPipe paper's formula with the same
-costs. The "measured" column is filled by the pipeline executor from per-tick timings;
-until it exists the column reads "pending" rather than a number.
+costs. With ``--measure`` the executor runs each schedule on the devices present (CPU: 8
+simulated devices) and the "measured" column is the worst rank's share of per-tick wall
+time spent in ticks where it runs no F or B; a second table gives the whole jitted step's
+median time. ``--fb-pair`` times one F&B pair of two micro-batches interleaved against the
+same chunks run one after the other; with ``--profile`` the exposed communication comes
+from the trace.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 
-from moejax.parallel.pipeline import Costs, ScheduleError, build, run
+from moejax.parallel.pipeline import SCHEDULES, Costs, ScheduleError, build, run
 from moejax.parallel.pipeline.formulas import (
     PAPER,
     num_stages,
@@ -28,7 +37,8 @@ HEADER = (
 )
 
 
-def _row(name: str, ranks: int, microbatches: int, costs: Costs) -> tuple[str, str | None]:
+def _row(name: str, ranks: int, microbatches: int, costs: Costs,
+         measured: dict[str, float] | None = None) -> tuple[str, str | None]:
     """One table line (and the rendered timeline) for a schedule; errors become the line."""
     paper = PAPER[name]
     formula = paper_bubble(name, ranks, costs)
@@ -47,9 +57,78 @@ def _row(name: str, ranks: int, microbatches: int, costs: Costs) -> tuple[str, s
     frac = max(timeline.bubble_fraction(r) for r in range(ranks))
     peaks = ",".join(map(str, timeline.peak_activations()))
     line = (f"{head} {bubble:>7.2f} {formula:>7.2f} {paper.bubble_text:<19} {frac:>6.1%} "
-            f"{'pending':>9} {schedule.param_copies:>5}x {paper.params_per_device:>5} "
-            f"{peaks:<26} {act_paper}")
+            f"{_measured_cell(name, measured):>9} {schedule.param_copies:>5}x "
+            f"{paper.params_per_device:>5} {peaks:<26} {act_paper}")
     return line, render(timeline)
+
+
+def _measured_cell(name: str, measured: dict[str, float] | None) -> str:
+    if measured is None:
+        return "pending"  # not measured in this run (--measure)
+    return f"{measured[name]:.1%}" if name in measured else "not run"
+
+
+def _use_simulated_devices(count: int) -> None:
+    """On a host without accelerators, let XLA:CPU expose ``count`` devices (must run
+    before jax initialises; a GPU backend ignores it)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+
+
+def _measure(args: argparse.Namespace) -> dict[str, float]:
+    """Runs the executor for every schedule the builder accepts; prints step times."""
+    # jax starts here, after _use_simulated_devices
+    from moejax.parallel.mesh import MeshSpec
+    from moejax.parallel.pipeline.measure import make_problem, measure_schedule
+
+    mesh = MeshSpec.parse(args.mesh or f"pipe={args.ranks}")
+    if mesh.pipe != args.ranks:
+        raise SystemExit(f"--mesh {args.mesh}: its pipe axis must equal --ranks {args.ranks}")
+    problem = make_problem(args.preset, args.layers or 2 * args.ranks, args.batch, args.seq,
+                           args.dtype)
+    print(f"executor on {mesh} ({args.preset}, {problem.config.num_hidden_layers} layers, "
+          f"batch {args.batch} x seq {args.seq}, {args.dtype})")
+    print(f"{'schedule':<10} {'step ms':>9} {'ticks':>5} {'sum ticks ms':>12} "
+          f"{'bubble/rank (measured)':<30} loss")
+    bubbles = {}
+    names = args.schedules.split(",")
+    if unknown := sorted(set(names) - set(SCHEDULES)):
+        raise SystemExit(f"--schedules {args.schedules}: unknown {unknown}; choose from "
+                         f"{sorted(SCHEDULES)}")
+    for name in names:
+        try:
+            build(name, args.ranks, args.microbatches)
+        except ScheduleError:
+            continue
+        profile = pathlib.Path(args.profile) if args.profile else None
+        m = measure_schedule(problem, name, mesh, args.microbatches, args.repeats, profile)
+        bubbles[name] = max(m.bubble_fraction)
+        per_rank = ",".join(f"{b:.1%}" for b in m.bubble_fraction)
+        print(f"{name:<10} {m.step_s * 1e3:>9.2f} {len(m.tick_s):>5} "
+              f"{sum(m.tick_s) * 1e3:>12.2f} {per_rank:<30} {m.loss:.5f}")
+    print()
+    return bubbles
+
+
+def _fb_pair(args: argparse.Namespace) -> None:
+    # jax starts here, after _use_simulated_devices
+    from moejax.parallel.mesh import MeshSpec
+    from moejax.parallel.pipeline.measure import fb_pair, make_problem
+
+    mesh = MeshSpec.parse(args.mesh or "expert=2")
+    if mesh.pipe != 1:
+        raise SystemExit(f"--fb-pair --mesh {args.mesh}: runs without a pipe axis")
+    problem = make_problem(args.preset, args.layers or 4, 2 * args.batch, args.seq, args.dtype)
+    r = fb_pair(problem, mesh, args.repeats, pathlib.Path(args.profile) if args.profile
+                else None)
+    print(f"F&B pair on {mesh} ({args.preset}, {problem.config.num_hidden_layers} layers, two "
+          f"micro-batches of {args.batch} x {args.seq}, {args.dtype})")
+    print(f"interleaved pair {r.pair_s * 1e3:.2f} ms; sequential chunks "
+          f"{r.sequential_s * 1e3:.2f} ms; pair speed-up {r.sequential_s / r.pair_s:.3f}x")
+    if r.exposed_comm_ms is not None:
+        print(f"trace: pair busy {r.pair_busy_ms:.2f} ms, exposed communication "
+              f"{r.exposed_comm_ms:.3f} ms = {r.exposed_comm_ms / r.pair_busy_ms:.1%} of the pair")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,20 +143,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--comm", type=float, default=0.0, help="p2p latency between ranks")
     parser.add_argument("--show-timeline", action="store_true",
                         help="draw each schedule's simulated timeline")
+    parser.add_argument("--measure", action="store_true",
+                        help="run the executor per schedule: measured bubble and step time")
+    parser.add_argument("--fb-pair", action="store_true",
+                        help="time one F&B pair interleaved vs sequential (no pipe axis)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help="--measure only these (comma-separated)")
+    parser.add_argument("--mesh", default="", help="devices for --measure (default "
+                        "pipe=RANKS) or --fb-pair (default expert=2)")
+    parser.add_argument("--preset", default="tiny", help="model preset to run")
+    parser.add_argument("--layers", type=int, help="num_hidden_layers (default 2 x ranks)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step "
+                        "(--fb-pair: per micro-batch)")
+    parser.add_argument("--seq", type=int, default=32, help="sequence length")
+    parser.add_argument("--dtype", default="float32", help="compute dtype")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
+    parser.add_argument("--profile", help="write jax.profiler traces under this folder")
     args = parser.parse_args(argv)
+    if args.measure or args.fb_pair:
+        _use_simulated_devices(8)
+    if args.fb_pair:
+        _fb_pair(args)
+        return
+    measured = _measure(args) if args.measure else None
     costs = Costs(args.f, args.b, args.w, args.fb, args.comm)
 
     print(f"P={args.ranks} ranks, M={args.microbatches} micro-batches; costs F={costs.f:g} "
           f"B={costs.b:g} W={costs.w:g} F&B={costs.f_and_b:g} comm={costs.comm:g}")
     print("bubble: idle time of the worst rank per step (derived from the simulated "
           "timeline); paper: the formula at these costs; frac: bubble / step time")
-    print("measured: from per-tick timings of the executor (pending: not built yet); "
+    print("measured: the worst rank's share of per-tick time in ticks without an F or B "
+          "(pending: pass --measure); "
           "copies: model weight copies across the pipe; p/dev: the paper's parameters per "
           "device; peak act: stage activations held at once, per rank\n")
     print(HEADER)
     timelines = []
     for name in PAPER:
-        line, drawing = _row(name, args.ranks, args.microbatches, costs)
+        line, drawing = _row(name, args.ranks, args.microbatches, costs, measured)
         print(line)
         if drawing is not None:
             timelines.append((name, drawing))

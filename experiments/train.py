@@ -17,7 +17,7 @@ from moejax.config import ConfigError
 from moejax.data.shards import DataError
 from moejax.parallel import distributed
 from moejax.parallel.mesh import MeshSpec
-from moejax.train.config import (ExperimentConfig, apply_overrides,
+from moejax.train.config import (PIPELINE_SCHEDULES, ExperimentConfig, apply_overrides,
                                  get_experiment_preset)
 from moejax.train.loop import Trainer, TrainingError
 
@@ -36,7 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, help="init and data-order seed (sets train.seed)")
     p.add_argument("--mesh", default="", metavar="pipe=P,data=D,expert=E",
                    help="device mesh over all devices of all processes; the sizes must "
-                        "multiply to the device count (pipe and tensor: 1 for now)")
+                        "multiply to the device count (tensor: 1 for now)")
+    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES,
+                   help="pipeline schedule for --mesh pipe=P>1 (sets train.pipeline_schedule)")
+    p.add_argument("--microbatches", type=int,
+                   help="micro-batches per step for --mesh pipe=P>1 (sets train.microbatches; "
+                        "default 2P)")
     p.add_argument("--data", help="shard folder from experiments.prepare_data "
                                   "(sets data.dir; default: the embedded corpus)")
     distributed.add_arguments(p)
@@ -52,6 +57,10 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
         overrides.append(f"train.seed={args.seed}")
     if args.data is not None:
         overrides.append(f"data.dir={args.data}")
+    if args.schedule is not None:
+        overrides.append(f"train.pipeline_schedule={args.schedule}")
+    if args.microbatches is not None:
+        overrides.append(f"train.microbatches={args.microbatches}")
     overrides += args.set
     cfg = apply_overrides(get_experiment_preset(args.preset), overrides)
     if args.mesh:

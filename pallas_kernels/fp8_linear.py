@@ -3,61 +3,95 @@
 Quantization is online. Each GEMM's scale tiles follow its contraction axis:
 fprop contracts K (x 1x128 along K, w 128x128), dgrad contracts N (dy 1x128 along
 N, w^T 128x128), wgrad contracts tokens (dy^T and x^T 1x128 along tokens).
-Residuals are the unquantized x and w; the backward re-quantizes them (the fused
-FP8 dequantize-transpose-requantize of saved activations is future work).
+
+FP8 activation storage: the residuals are the FP8 copies made for fprop (x with its
+1x128 scales, w with its 128x128 scales), not the BF16/FP32 inputs. dgrad reuses the
+FP8 weight as is (w^T's blocks are w's blocks transposed). wgrad needs x quantized
+along tokens, which is derived from the saved copy by dequantize-transpose-requantize,
+as DeepSeek-V3 does. That is a second rounding: x is first rounded to E4M3 on its
+K-tile scale, then re-rounded on its token-tile scale, so wgrad sees up to two E4M3
+half-ulps (2 x 2^-4 relative) per element instead of one; where a token tile's scale equals
+the K tile's (or differs by a power of two) the second rounding is exact. The SwiGLU
+variant below avoids it: its wgrad operand is recomputed and rounded once.
 """
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import ops
 from pallas_kernels.gemm import scaled_matmul
-from pallas_kernels.quantize import TILE, quantize_1x128, quantize_128x128
+from pallas_kernels.quantize import TILE, dequantize, quantize_1x128, quantize_128x128
 
 _quantize_weights = jax.vmap(quantize_128x128)
+
+# A saved FP8 operand: values and their FP32 tile scales.
+Quantized = tuple[jax.Array, jax.Array]
 
 
 def _full(m: int) -> jax.Array:
     return jnp.array([m], jnp.int32)
 
 
-def _fprop(x, w, group_sizes):
-    xq, xs = quantize_1x128(x)
-    wq, ws = _quantize_weights(w)
-    return scaled_matmul(xq, xs, wq, ws, group_sizes, b_row_tile=TILE, out_dtype=x.dtype)
+def _dtype_marker(x: jax.Array) -> jax.Array:
+    """A zero-size residual that carries a dtype into the backward (no bytes saved)."""
+    return jnp.zeros((0,), x.dtype)
 
 
-def _dgrad(dy, w, group_sizes, dtype):
+def _fprop(x: Quantized, w: Quantized, group_sizes, dtype) -> jax.Array:
+    return scaled_matmul(*x, *w, group_sizes, b_row_tile=TILE, out_dtype=dtype)
+
+
+def _dgrad(dy, w: Quantized, group_sizes, dtype) -> jax.Array:
     dyq, dys = quantize_1x128(dy)
-    wq, ws = _quantize_weights(w)
-    # w^T's 128x128 blocks are w's blocks transposed: same FP8 values and scales.
+    wq, ws = w
     return scaled_matmul(dyq, dys, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(ws, 1, 2),
                          group_sizes, b_row_tile=TILE, out_dtype=dtype)
 
 
-def _wgrad_tiles(dy, x):
-    """dy^T (N, M) and x^T (K, M), quantized 1x128 along the token axis."""
-    return quantize_1x128(dy.T), quantize_1x128(x.T)
+def _along_tokens(x: Quantized) -> Quantized:
+    """x^T (K, M) quantized 1x128 along tokens, from the saved K-tiled FP8 copy of x (M, K)."""
+    return quantize_1x128(dequantize(*x, row_tile=1).T)
+
+
+def _wgrad(dy, x_t: Quantized, group_sizes, grouped: bool, dtype) -> jax.Array:
+    """dw = dy^T x per group; x_t is x^T (K, M) already quantized along tokens."""
+    dyq, dys = quantize_1x128(dy.T)
+    xq, xs = x_t
+    if grouped:
+        return ops().grouped_matmul_tn(dyq, xq, group_sizes, x_scale=dys, y_scale=xs,
+                                       token_major=False, out_dtype=dtype)
+    return scaled_matmul(dyq, dys, xq[None], xs[None], _full(dyq.shape[0]), b_row_tile=1,
+                         out_dtype=dtype)
+
+
+def _backward(res, dy, grouped: bool):
+    x, w, sizes, x_dtype, w_dtype = res
+    dx = _dgrad(dy, w, sizes, x_dtype.dtype)
+    return dx, _wgrad(dy, _along_tokens(x), sizes, grouped, w_dtype.dtype)
+
+
+def _forward(x, w, sizes):
+    """y and the FP8 residuals; w is (G, N, K)."""
+    xq, wq = quantize_1x128(x), _quantize_weights(w)
+    return _fprop(xq, wq, sizes, x.dtype), (xq, wq, sizes, _dtype_marker(x), _dtype_marker(w))
 
 
 @jax.custom_vjp
 def fp8_linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """y (M, N) = x (M, K) @ w (N, K)^T with FP8 operands, in x's dtype."""
-    return _fprop(x, w[None], _full(x.shape[0]))
+    """y (M, N) = x (M, K) @ w (N, K)^T with FP8 operands, in x's dtype; dw in w's dtype."""
+    return _forward(x, w[None], _full(x.shape[0]))[0]
 
 
 def _linear_fwd(x, w):
-    return fp8_linear(x, w), (x, w)
+    return _forward(x, w[None], _full(x.shape[0]))
 
 
 def _linear_bwd(res, dy):
-    x, w = res
-    dx = _dgrad(dy, w[None], _full(x.shape[0]), x.dtype)
-    (dyq, dys), (xq, xs) = _wgrad_tiles(dy, x)
-    dw = scaled_matmul(dyq, dys, xq[None], xs[None], _full(dyq.shape[0]), b_row_tile=1,
-                       out_dtype=w.dtype)
-    return dx, dw
+    return _backward(res, dy, grouped=False)
 
 
 fp8_linear.defvjp(_linear_fwd, _linear_bwd)
@@ -66,21 +100,59 @@ fp8_linear.defvjp(_linear_fwd, _linear_bwd)
 @jax.custom_vjp
 def fp8_grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """Row r of group g: y[r] = x[r] @ w[g]^T, x (M, K), w (G, N, K); FP8 operands."""
-    return _fprop(x, w, group_sizes.astype(jnp.int32))
+    return _forward(x, w, group_sizes.astype(jnp.int32))[0]
 
 
 def _grouped_fwd(x, w, group_sizes):
-    return fp8_grouped_linear(x, w, group_sizes), (x, w, group_sizes)
+    return _forward(x, w, group_sizes.astype(jnp.int32))
 
 
 def _grouped_bwd(res, dy):
-    x, w, group_sizes = res
-    sizes = group_sizes.astype(jnp.int32)
-    dx = _dgrad(dy, w, sizes, x.dtype)
-    (dyq, dys), (xq, xs) = _wgrad_tiles(dy, x)
-    dw = ops().grouped_matmul_tn(dyq, xq, sizes, x_scale=dys, y_scale=xs,
-                                 token_major=False, out_dtype=w.dtype)
-    return dx, dw, None
+    return (*_backward(res, dy, grouped=True), None)
 
 
 fp8_grouped_linear.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+Activation = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def fp8_gated_grouped_linear(gate: jax.Array, up: jax.Array, w: jax.Array,
+                             group_sizes: jax.Array, activation: Activation) -> jax.Array:
+    """y[r] = activation(gate, up)[r] @ w[g]^T (e.g. SwiGLU then the down projection).
+
+    Backward keeps gate and up as FP8 copies (1x128 scales) and recomputes the activation
+    from them, instead of keeping gate, up (BF16) and the activation's FP8 copy: 2 bytes per
+    intermediate element instead of 5. The activation is given in FP32 math by the caller.
+    """
+    return _gated_fwd(gate, up, w, group_sizes, activation)[0]
+
+
+def _activate(gate, up, activation: Activation, dtype) -> jax.Array:
+    return activation(gate, up).astype(dtype)
+
+
+def _gated_fwd(gate, up, w, group_sizes, activation):
+    sizes = group_sizes.astype(jnp.int32)
+    wq = _quantize_weights(w)
+    y = _fprop(quantize_1x128(_activate(gate, up, activation, gate.dtype)), wq, sizes,
+               gate.dtype)
+    saved = (quantize_1x128(gate), quantize_1x128(up), wq, sizes, _dtype_marker(gate),
+             _dtype_marker(w))
+    return y, saved
+
+
+def _gated_bwd(activation, res, dy):
+    gate_q, up_q, wq, sizes, x_dtype, w_dtype = res
+    dtype = x_dtype.dtype
+    gate, up = (dequantize(*q, row_tile=1) for q in (gate_q, up_q))  # FP32
+    hidden, activation_vjp = jax.vjp(lambda g, u: _activate(g, u, activation, dtype), gate, up)
+    # The recomputed activation is quantized along tokens straight from its BF16 value:
+    # one rounding for wgrad here, unlike a plain FP8 linear's saved input.
+    dw = _wgrad(dy, quantize_1x128(hidden.T), sizes, True, w_dtype.dtype)
+    d_gate, d_up = activation_vjp(_dgrad(dy, wq, sizes, dtype))
+    return d_gate.astype(dtype), d_up.astype(dtype), dw, None
+
+
+fp8_gated_grouped_linear.defvjp(_gated_fwd, _gated_bwd)

@@ -109,7 +109,9 @@ def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_state(env, t
     (["--set", "train.bogus=1"], "unknown field train.bogus"),
     (["--data", "/nonexistent/shards"], "not a shard folder"),
     (["--mesh", "data=2"], "multiply to 2, but there are 8 devices"),
-    (["--mesh", "pipe=2,data=4"], "mesh.pipe=2"),
+    (["--mesh", "pipe=2,data=2,tensor=2"], "mesh.tensor=2"),
+    (["--mesh", "pipe=2,data=4", "--schedule", "dualpipev", "--microbatches", "2"],
+     "train.microbatches=2"),
     (["--coordinator", "localhost:1"], "needs --num-processes and --process-id"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Where device time goes, read from a ``jax.profiler`` trace.
+"""Where device time goes, read from a ``jax.profiler`` trace; and wall time of one call.
 
 Benchmarks need two numbers a wall clock cannot give: how a step's device time splits
 between communication, GEMMs, attention and data movement, and how much communication is
@@ -14,6 +14,8 @@ import gzip
 import json
 import pathlib
 import re
+import statistics
+import time
 from typing import Callable, Iterable, NamedTuple
 
 import jax
@@ -113,6 +115,19 @@ def device_time(events: list[KernelEvent], device: str | None = None) -> DeviceT
     exposed = _union_us(communication) - _covered_us(communication, compute)
     return DeviceTime({c: _union_us(spans[c]) / 1e3 for c in CATEGORIES},
                       _union_us([s for v in spans.values() for s in v]) / 1e3, exposed / 1e3)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` until its outputs are ready, after ``warmup`` calls
+    (the first compiles)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def profile(fn: Callable[[], object], log_dir: str | pathlib.Path, repeats: int = 3,

@@ -16,13 +16,16 @@ from moejax.config import ModelConfig
 from moejax.memory.remat import MLA_UP_PROJECTION, tag
 from moejax.model.layers import Linear, RMSNorm
 from moejax.model.rope import apply_rope, softmax_scale
+from moejax.precision import Precision
 
 
 class MLAttention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype) -> None:
+                 param_dtype: jnp.dtype, precision: Precision = Precision.BF16) -> None:
+        """``precision`` applies to the projections; the softmax core stays BF16/FP32."""
         c = config
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, std=c.initializer_range)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, std=c.initializer_range,
+                  precision=precision)
         heads = c.num_attention_heads
         if c.q_lora_rank is None:
             self.q_proj = Linear(c.hidden_size, heads * c.qk_head_dim, **kw)

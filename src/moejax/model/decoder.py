@@ -13,6 +13,7 @@ from moejax.model.attention import MLAttention
 from moejax.model.layers import DenseMLP, RMSNorm
 from moejax.model.moe import MoE
 from moejax.model.routing import RoutingStats
+from moejax.precision import Precision
 
 
 class BlockOutput(NamedTuple):
@@ -22,17 +23,18 @@ class BlockOutput(NamedTuple):
 
 class DecoderBlock(nnx.Module):
     def __init__(self, config: ModelConfig, *, moe: bool, rngs: nnx.Rngs, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype) -> None:
+                 param_dtype: jnp.dtype, precision: Precision = Precision.BF16) -> None:
         c = config
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, precision=precision)
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = MLAttention(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.self_attn = MLAttention(c, **kw)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps,
                                                 param_dtype=param_dtype)
         if moe:
-            self.mlp = MoE(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            self.mlp = MoE(c, **kw)
         else:
-            self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype,
-                                param_dtype=param_dtype, std=c.initializer_range)
+            self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, std=c.initializer_range,
+                                **kw)
         self.config = config
 
     def __call__(self, h: jax.Array, cos: jax.Array, sin: jax.Array,

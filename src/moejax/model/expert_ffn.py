@@ -1,8 +1,9 @@
 """The routed experts' SwiGLU FFN over expert-sorted rows (grouped matmuls).
 
-The grouped matmuls are ``pallas_kernels.grouped_gemm`` (FP32 accumulation; Pallas kernels
-for forward, dgrad and wgrad on GPU, where XLA's ragged_dot backward materialises a dense
-(experts x rows x hidden) buffer; a pure-JAX reference on CPU).
+In BF16 the grouped matmuls are ``pallas_kernels.grouped_gemm`` (FP32 accumulation; Pallas
+kernels for forward, dgrad and wgrad on GPU, where XLA's ragged_dot backward materialises a
+dense (experts x rows x hidden) buffer; a pure-JAX reference on CPU); in FP8 they are the
+kernels' FP8 grouped linears (``moejax.precision``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-from pallas_kernels import grouped_gemm
 
-from moejax.model.layers import swiglu
+from moejax.precision import Precision, grouped_linear, grouped_swiglu_linear
 
 
 class ExpertWeights(NamedTuple):
@@ -21,11 +21,10 @@ class ExpertWeights(NamedTuple):
     down: jax.Array  # (E, I, H)
 
 
-def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights) -> jax.Array:
+def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
+                   precision: Precision = Precision.BF16) -> jax.Array:
     """down_g(silu(x gate_g) * (x up_g)) for the rows of each group g; rows past the groups' sum
     are padding and come back as zeros."""
-
-    def grouped(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        return grouped_gemm(lhs, rhs.astype(lhs.dtype), group_sizes)
-
-    return grouped(swiglu(grouped(x, weights.gate), grouped(x, weights.up)), weights.down)
+    gate = grouped_linear(x, weights.gate, group_sizes, precision)
+    up = grouped_linear(x, weights.up, group_sizes, precision)
+    return grouped_swiglu_linear(gate, up, weights.down, group_sizes, precision)

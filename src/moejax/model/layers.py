@@ -10,22 +10,31 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.memory.remat import NORM_OUTPUT, SWIGLU_OUTPUT, tag
+from moejax.memory.remat import NORM_OUTPUT, tag
+from moejax.precision import Precision, linear, swiglu_linear
 
 
 class Linear(nnx.Module):
-    """``y = x @ kernel`` without bias; kernel is (in, out), products accumulate in FP32."""
+    """``y = x @ kernel`` without bias; kernel is (in, out), products accumulate in FP32.
+
+    ``precision`` picks the GEMM inputs' format (``moejax.precision``); BF16 unless the
+    layer is one that DeepSeek-V3 runs in FP8.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
-                 dtype: jnp.dtype, param_dtype: jnp.dtype, std: float) -> None:
+                 dtype: jnp.dtype, param_dtype: jnp.dtype, std: float,
+                 precision: Precision = Precision.BF16) -> None:
         init = jax.nn.initializers.normal(std)
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
         self.dtype = dtype
+        self.precision = precision
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-                    preferred_element_type=jnp.float32)
-        return y.astype(self.dtype)
+        return linear(x, self.kernel[...], self.precision, self.dtype)
+
+    def after_swiglu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """``self(swiglu(gate, up))``; in FP8 the SwiGLU output is recomputed in backward."""
+        return swiglu_linear(gate, up, self.kernel[...], self.precision, self.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -45,21 +54,16 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
 
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """SiLU-gated linear unit, computed in FP32 and returned in the inputs' dtype."""
-    out = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
-    return tag(out.astype(gate.dtype), SWIGLU_OUTPUT)
-
-
 class DenseMLP(nnx.Module):
     """SwiGLU MLP: the dense layers' FFN and the shared experts of a MoE layer."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs,
-                 dtype: jnp.dtype, param_dtype: jnp.dtype, std: float) -> None:
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, std=std)
+                 dtype: jnp.dtype, param_dtype: jnp.dtype, std: float,
+                 precision: Precision = Precision.BF16) -> None:
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, std=std, precision=precision)
         self.gate_proj = Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = Linear(intermediate_size, hidden_size, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj.after_swiglu(self.gate_proj(x), self.up_proj(x))

@@ -8,6 +8,7 @@ mesh whose ``expert`` axis has more than one device, the routed part runs expert
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -20,6 +21,7 @@ from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.layers import DenseMLP
 from moejax.model.routing import RoutingStats, route, sequence_balance_loss
 from moejax.parallel import expert as expert_parallel  # module: the two import each other
+from moejax.precision import Precision
 
 
 class MoEOutput(NamedTuple):
@@ -28,14 +30,15 @@ class MoEOutput(NamedTuple):
 
 
 def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
-                         weights: ExpertWeights, config: ModelConfig) -> MoEOutput:
+                         weights: ExpertWeights, config: ModelConfig,
+                         run_experts: expert_parallel.RunExperts = grouped_swiglu) -> MoEOutput:
     """Single-device routed experts: route, sort by expert, grouped FFN, un-sort, combine."""
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
     logits = jnp.dot(flat.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
     routing = route(logits, bias, config)
     sent = dispatch(flat, routing.experts, config.n_routed_experts)
-    y_sorted = grouped_swiglu(sent.tokens, sent.group_sizes, weights)
+    y_sorted = run_experts(sent.tokens, sent.group_sizes, weights)
     y = combine(y_sorted, sent.order, routing.weights).reshape(batch, seq, hidden)
     balance = (sequence_balance_loss(routing.scores, routing.experts, batch, config)
                if config.aux_loss_alpha else jnp.zeros((), jnp.float32))
@@ -45,7 +48,7 @@ def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
 
 class MoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype) -> None:
+                 param_dtype: jnp.dtype, precision: Precision = Precision.BF16) -> None:
         c = config
         init = jax.nn.initializers.normal(c.initializer_range)
         experts, hidden, inner = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
@@ -55,15 +58,18 @@ class MoE(nnx.Module):
         self.up_proj = nnx.Param(init(rngs.params(), (experts, hidden, inner), param_dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (experts, inner, hidden), param_dtype))
         self.shared_experts = (DenseMLP(hidden, inner * c.n_shared_experts, rngs=rngs, dtype=dtype,
-                                        param_dtype=param_dtype, std=c.initializer_range)
+                                        param_dtype=param_dtype, std=c.initializer_range,
+                                        precision=precision)
                                if c.n_shared_experts else None)
         self.config = config
+        self.precision = precision
 
     def __call__(self, x: jax.Array, bias: jax.Array) -> MoEOutput:
         weights = ExpertWeights(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         routed = (expert_parallel.expert_parallel_moe if expert_parallel.expert_axis_size() > 1
                   else routed_experts_local)
-        y, stats = routed(x, self.router[...], bias, weights, self.config)
+        run_experts = functools.partial(grouped_swiglu, precision=self.precision)
+        y, stats = routed(x, self.router[...], bias, weights, self.config, run_experts)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return MoEOutput(y, stats)

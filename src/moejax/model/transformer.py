@@ -20,6 +20,7 @@ from moejax.model.decoder import BlockOutput, DecoderBlock
 from moejax.model.layers import Linear, RMSNorm
 from moejax.model.rope import rope_tables
 from moejax.model.routing import RoutingStats
+from moejax.precision import Precision
 
 
 class RouterBias(nnx.Variable):
@@ -48,7 +49,7 @@ def _stacked_blocks(count: int, make: Callable[[nnx.Rngs], DecoderBlock],
     return create(rngs)
 
 
-def _run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array,
+def run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array,
                biases: jax.Array, remat: str) -> BlockOutput:
     """Scans h through the stacked blocks (each under the ``remat`` policy); returns the
     per-block routing stats stacked."""
@@ -70,13 +71,14 @@ class MTPModule(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, moe: bool, rngs: nnx.Rngs, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype) -> None:
+                 param_dtype: jnp.dtype, precision: Precision = Precision.BF16) -> None:
         c = config
         self.enorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
         self.hnorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
         self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size, rngs=rngs, dtype=dtype,
                               param_dtype=param_dtype, std=c.initializer_range)
-        self.block = DecoderBlock(c, moe=moe, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.block = DecoderBlock(c, moe=moe, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                  precision=precision)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
 
     def __call__(self, h_prev: jax.Array, next_embeddings: jax.Array, cos: jax.Array,
@@ -88,8 +90,11 @@ class MTPModule(nnx.Module):
 
 class DeepseekV3(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.bfloat16,
-                 param_dtype: jnp.dtype = jnp.float32, remat: str = "none") -> None:
-        """``remat``: the recompute policy of every block (``moejax.memory.remat``)."""
+                 param_dtype: jnp.dtype = jnp.float32, remat: str = "none",
+                 precision: Precision = Precision.BF16) -> None:
+        """``remat``: the recompute policy of every block (``moejax.memory.remat``);
+        ``precision``: the GEMM precision of the blocks' attention and MLP linears
+        (``moejax.precision``). The embedding, head and MTP input projection stay BF16."""
         c = config
         if remat not in POLICIES:
             raise ConfigError(f"remat={remat!r}: must be one of {POLICIES}")
@@ -100,16 +105,17 @@ class DeepseekV3(nnx.Module):
         init = jax.nn.initializers.normal(c.initializer_range)
         self.embed_tokens = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size),
                                            param_dtype))
+        blocks = dict(kw, precision=precision)
         self.dense_blocks = _stacked_blocks(
-            c.first_k_dense_replace, lambda r: DecoderBlock(c, moe=False, rngs=r, **kw), rngs)
+            c.first_k_dense_replace, lambda r: DecoderBlock(c, moe=False, rngs=r, **blocks), rngs)
         self.moe_blocks = _stacked_blocks(
-            c.num_moe_layers, lambda r: DecoderBlock(c, moe=True, rngs=r, **kw), rngs)
+            c.num_moe_layers, lambda r: DecoderBlock(c, moe=True, rngs=r, **blocks), rngs)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = (None if c.tie_word_embeddings else
                         Linear(c.hidden_size, c.vocab_size, rngs=rngs,
                                std=c.initializer_range, **kw))
         mtp_moe = c.num_moe_layers > 0
-        self.mtp = nnx.List([MTPModule(c, moe=mtp_moe, rngs=rngs, **kw)
+        self.mtp = nnx.List([MTPModule(c, moe=mtp_moe, rngs=rngs, **blocks)
                              for _ in range(c.num_nextn_predict_layers)])
         router_rows = c.num_moe_layers + (c.num_nextn_predict_layers if mtp_moe else 0)
         self.router_bias = RouterBias(jnp.zeros((router_rows, c.n_routed_experts), jnp.float32))
@@ -136,9 +142,9 @@ class DeepseekV3(nnx.Module):
         rows: list[RoutingStats] = []  # per MoE block, each with a leading block axis
         if self.dense_blocks is not None:
             no_bias = jnp.zeros((c.first_k_dense_replace, c.n_routed_experts), jnp.float32)
-            h = _run_stack(self.dense_blocks, h, cos, sin, no_bias, self.remat).h
+            h = run_stack(self.dense_blocks, h, cos, sin, no_bias, self.remat).h
         if self.moe_blocks is not None:
-            h, stats = _run_stack(self.moe_blocks, h, cos, sin, biases[:c.num_moe_layers],
+            h, stats = run_stack(self.moe_blocks, h, cos, sin, biases[:c.num_moe_layers],
                                   self.remat)
             rows.append(stats)
         logits = self.head(self.norm(h))

@@ -1,7 +1,8 @@
 """Orbax checkpointing of the whole run: train state, data-iterator position, config.
 
 Each step directory holds two items: ``state`` (params, optimizer state, router biases,
-step, RNG) and ``data`` (the Grain iterator state, JSON). Orbax writes a step into a
+step, RNG) and ``data`` (the Grain iterator state, JSON), plus ``ema`` (the host-memory EMA
+of the weights, restored into host memory) when the run keeps one. Orbax writes a step into a
 temporary directory and renames it only once every item is complete, so a process killed
 mid-save leaves at most a stray temporary directory that ``latest_step`` ignores and the
 next manager removes. The run dir also records ``config.json``: a resume checks that the
@@ -24,11 +25,14 @@ from moejax.train.config import CheckpointConfig
 
 CONFIG_FILE = "config.json"
 # Settings that may differ between a run and its resumption: length, cadence, logging, and
-# the device layout (a checkpoint restores onto any mesh).
+# the device layout (a checkpoint restores onto any mesh), and the GEMM precision (FP8 keeps
+# no state of its own: FP32 master weights and optimizer state are the same in both).
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                      "train.nonfinite", "train.peak_tflops", "train.zero_stage", "train.remat",
+                     "train.precision",
                      "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
                      "mesh.pipe", "mesh.data", "mesh.expert", "mesh.tensor",
+                     "train.pipeline_schedule", "train.microbatches",
                      "expert_parallel.transport", "expert_parallel.devices_per_node"}
 # Test hook: ``MOEJAX_DEBUG_PAUSE_SAVE=STEP`` makes the save of STEP write the file
 # ``<step tmp dir>/paused`` and then block forever, so a test can SIGKILL a real training
@@ -103,18 +107,25 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: Any, data_state: dict) -> None:
+    def save(self, step: int, state: Any, data_state: dict, ema: Any = None) -> None:
         """Starts saving ``step`` (asynchronously when configured); waits for the last one."""
         items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state)}
+        if ema is not None:
+            items["ema"] = ocp.args.StandardSave(ema)
         if step == self._pause_at:
             items["pause"] = _PauseSave()
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """The state (placed as ``abstract_state``'s shardings say) and data position."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        return restored["state"], restored["data"]
+    def restore(self, step: int, abstract_state: Any,
+                abstract_ema: Any = None) -> tuple[Any, dict, Any]:
+        """The state (placed as ``abstract_state``'s shardings say), data position and EMA
+        (None unless ``abstract_ema`` asks for it)."""
+        items = {"state": ocp.args.StandardRestore(abstract_state),
+                 "data": ocp.args.JsonRestore()}
+        if abstract_ema is not None:
+            items["ema"] = ocp.args.StandardRestore(abstract_ema)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        return restored["state"], restored["data"], restored.get("ema")
 
     def close(self) -> None:
         """Waits for any save in flight, then releases the manager."""

@@ -18,10 +18,14 @@ from moejax.config import ConfigError, ModelConfig, MODEL_PRESETS, fail, get_mod
 from moejax.memory.remat import POLICIES as REMAT_POLICIES
 from moejax.parallel.expert import ExpertParallelOptions
 from moejax.parallel.mesh import MeshSpec
+from moejax.parallel.pipeline.schedule import SCHEDULES as PIPELINE_SCHEDULE_BUILDERS
+from moejax.parallel.pipeline.schedule import ScheduleError, build as build_schedule
+from moejax.precision import PRECISIONS
 
 SCHEDULES = ("cosine", "wsd")
 DTYPES = ("float32", "bfloat16")
 NONFINITE_POLICIES = ("stop", "skip")
+PIPELINE_SCHEDULES = tuple(PIPELINE_SCHEDULE_BUILDERS)
 
 
 def _check_positive_int(section: str, obj: Any, names: tuple[str, ...]) -> None:
@@ -62,6 +66,11 @@ class TrainConfig:
     # 3: params, grads and optimizer state sharded over `data` (FSDP); 1: optimizer only
     zero_stage: int = 3
     remat: str = "none"  # recompute policy: none | selective | full (moejax.memory.remat)
+    precision: str = "bf16"  # GEMMs of attention and MLP linears: bf16 | fp8 (moejax.precision)
+    ema_decay: float | None = None  # host-memory EMA of the weights (moejax.memory.ema)
+    # --mesh pipe=P > 1 only: the pipeline schedule and its micro-batch count (None: 2P)
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | dualpipe | dualpipev
+    microbatches: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("train", self, ("steps", "batch_size", "seq_len", "log_every",
@@ -91,11 +100,18 @@ class TrainConfig:
             fail("train.peak_tflops", self.peak_tflops, "must be > 0 or None")
         for name, allowed in (("schedule", SCHEDULES), ("moments_dtype", DTYPES),
                               ("compute_dtype", DTYPES), ("nonfinite", NONFINITE_POLICIES),
-                              ("remat", REMAT_POLICIES)):
+                              ("remat", REMAT_POLICIES), ("precision", PRECISIONS)):
             if getattr(self, name) not in allowed:
                 fail(f"train.{name}", getattr(self, name), f"must be one of {list(allowed)}")
         if self.zero_stage not in (1, 3):
             fail("train.zero_stage", self.zero_stage, "must be 1 or 3")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            fail("train.ema_decay", self.ema_decay, "must be in (0, 1), or None for no EMA")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            fail("train.pipeline_schedule", self.pipeline_schedule,
+                 f"must be one of {list(PIPELINE_SCHEDULES)}")
+        if self.microbatches is not None:
+            _check_positive_int("train", self, ("microbatches",))
 
     @property
     def total_schedule_steps(self) -> int:
@@ -149,15 +165,37 @@ class ExperimentConfig:
             fail("train.seq_len", self.train.seq_len,
                   f"must be <= model.max_position_embeddings="
                   f"{self.model.max_position_embeddings}")
-        for axis in ("pipe", "tensor"):
-            if getattr(self.mesh, axis) != 1:
-                fail(f"mesh.{axis}", getattr(self.mesh, axis),
-                      "experiments.train runs data and expert axes only for now (the "
-                      "pipeline executor and tensor parallelism are pending); use 1")
-        if self.train.batch_size % (self.mesh.data * self.mesh.expert):
+        if self.mesh.tensor != 1:
+            fail("mesh.tensor", self.mesh.tensor,
+                  "experiments.train has no tensor parallelism yet; use 1")
+        shards = self.mesh.data * self.mesh.expert
+        if self.mesh.pipe > 1:
+            self._check_pipeline()
+            shards *= self.num_microbatches
+        if self.train.batch_size % shards:
             fail("train.batch_size", self.train.batch_size,
                   f"must divide over the data x expert mesh axes "
-                  f"({self.mesh.data} x {self.mesh.expert})")
+                  f"({self.mesh.data} x {self.mesh.expert})"
+                  + (f" x {self.num_microbatches} micro-batches" if self.mesh.pipe > 1 else ""))
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step of a pipelined run (train.microbatches, default 2P)."""
+        return self.train.microbatches or 2 * self.mesh.pipe
+
+    def _check_pipeline(self) -> None:
+        """The schedule accepts (P, M), and every stage gets at least one layer."""
+        try:
+            schedule = build_schedule(self.train.pipeline_schedule, self.mesh.pipe,
+                                      self.num_microbatches)
+        except ScheduleError as e:
+            fail("train.microbatches", self.num_microbatches,
+                 f"--mesh pipe={self.mesh.pipe} with train.pipeline_schedule="
+                 f"{self.train.pipeline_schedule!r}: {e}")
+        if schedule.num_stages > self.model.num_hidden_layers:
+            fail("model.num_hidden_layers", self.model.num_hidden_layers,
+                 f"must be >= the {schedule.num_stages} stages of "
+                 f"{self.train.pipeline_schedule} on pipe={self.mesh.pipe}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,8 +22,12 @@ from moejax.config import ConfigError
 from moejax.data.corpus import resolve_data_dir
 from moejax.data.pipeline import LoaderSpec, make_dataset
 from moejax.data.shards import read_info, unigram_entropy
+from moejax.memory.budget import GIB, check_fits
+from moejax.memory.ema import HostEMA
 from moejax.parallel.expert import expert_parallel_options
 from moejax.parallel.mesh import build_mesh
+from moejax.parallel.pipeline.executor import PipelineExecutor
+from moejax.parallel.pipeline.schedule import build as build_schedule
 from moejax.parallel.sharding import batch_sharding
 from moejax.train.checkpoint import Checkpointer, check_config
 from moejax.train.config import ExperimentConfig
@@ -31,8 +35,18 @@ from moejax.train.flops import mfu, peak_flops, train_flops_per_token
 from moejax.train.metrics import MetricsLog, progress_line
 from moejax.train.optimizer import make_optimizer
 from moejax.train.placement import train_state_shardings
-from moejax.train.step import (TrainState, make_eval_step, make_train_step,
+from moejax.train.step import (LossAndGrads, TrainState, make_eval_step, make_train_step,
                                state_initializer)
+
+
+def pipelined(graphdef: Any, cfg: ExperimentConfig) -> LossAndGrads | None:
+    """The pipeline executor's forward/backward under ``--mesh pipe=P>1``, else None (the
+    whole-batch step)."""
+    if cfg.mesh.pipe == 1:
+        return None
+    schedule = build_schedule(cfg.train.pipeline_schedule, cfg.mesh.pipe, cfg.num_microbatches)
+    return PipelineExecutor(schedule, graphdef, cfg.model, jnp.dtype(cfg.train.compute_dtype),
+                            cfg.train.mtp_lambda).loss_and_grads
 
 
 class TrainingError(RuntimeError):
@@ -53,6 +67,7 @@ class Summary:
     tokens_per_s: float | None
     mfu: float | None
     peak_memory_gib: float | None
+    ema_eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)  # EMA weights
 
 
 def peak_memory_gib() -> float | None:
@@ -111,6 +126,14 @@ class Trainer:
 
     def run(self) -> Summary:
         """Trains to ``train.steps``; every step is traced under the run's mesh."""
+        # Before any state is allocated or the step compiled (and outside the mesh: the
+        # budget traces one device's share): a step that cannot fit fails here with the
+        # budget table, not with an allocator traceback. Only where the runtime reports a
+        # memory limit (GPU/TPU).
+        budget = check_fits(self.cfg, jax.local_devices()[0])
+        if budget is not None:
+            self.log(f"memory budget {budget.device_total / GIB:.2f} of "
+                     f"{budget.device_memory / GIB:.2f} GiB per device")
         with jax.set_mesh(self.mesh), expert_parallel_options(self.cfg.expert_parallel):
             return self._run()
 
@@ -121,30 +144,39 @@ class Trainer:
         graphdef, init = state_initializer(cfg)
         abstract = jax.eval_shape(init, jnp.uint32(tc.seed))
         state_sh = train_state_shardings(abstract, self.mesh, make_optimizer(tc), tc.zero_stage)
+        ema = HostEMA(tc.ema_decay, state_sh.params) if tc.ema_decay else None
+        ema_state = None
         batch_sh = batch_sharding(self.mesh)
         self.log(f"mesh {cfg.mesh} over {self.mesh.size} device(s) in {jax.process_count()} "
                  f"process(es); ZeRO-{tc.zero_stage}; expert transport "
-                 f"{cfg.expert_parallel.resolved_transport() if cfg.mesh.expert > 1 else 'none'}")
+                 f"{cfg.expert_parallel.resolved_transport() if cfg.mesh.expert > 1 else 'none'}"
+                 f" (tokens travel as {cfg.expert_parallel.token_format})"
+                 + (f"; pipeline {tc.pipeline_schedule} over {cfg.num_microbatches} "
+                    "micro-batches" if cfg.mesh.pipe > 1 else ""))
         train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))
         if self.resume_step is None:
             state = jax.jit(init, out_shardings=state_sh)(jnp.uint32(tc.seed))
+            ema_state = ema.init(state.params) if ema else None
             self.log(f"fresh start in {self.run_dir} (seed {tc.seed})")
         else:
             target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                                      sharding=sh),
                                   abstract, state_sh)
-            state, data_state = self.ckpt.restore(self.resume_step, target)
+            state, data_state, ema_state = self.ckpt.restore(
+                self.resume_step, target, ema.abstract(abstract.params) if ema else None)
             train_iter.set_state(data_state)
             self.log(f"resumed {self.run_dir} from step {self.resume_step}")
         first = int(state.step)
         metrics_log = MetricsLog(self.run_dir, resume_step=first, enabled=self.primary)
         train_step = make_train_step(graphdef, cfg, state_shardings=state_sh,
-                                     batch_sharding=batch_sh)
+                                     batch_sharding=batch_sh,
+                                     loss_and_grads=pipelined(graphdef, cfg))
         eval_step = make_eval_step(graphdef, state_shardings=state_sh, batch_sharding=batch_sh)
         flops_per_token = train_flops_per_token(cfg.model, tc.seq_len)
         peak = peak_flops(jax.devices()[0].device_kind, tc.peak_tflops)
         losses: dict[int, float] = {}
         evals: dict[int, float] = {}
+        ema_evals: dict[int, float] = {}
         step_times: list[float] = []
         try:
             last = time.perf_counter()
@@ -152,13 +184,15 @@ class Trainer:
                 data_state = train_iter.get_state()
                 batch = jax.make_array_from_process_local_data(batch_sh, next(train_iter))
                 state, metrics = train_step(state, batch)
+                if ema:  # dispatched before the host waits on the step; skips a bad step
+                    ema_state = ema.update(ema_state, state.params, metrics["finite"])
                 metrics = jax.device_get(metrics)
                 now = time.perf_counter()
                 step_time, last = now - last, now
                 record = self._record(step, metrics, step_time, flops_per_token, peak,
                                       compiled=step == first + 1)
                 if not metrics["finite"]:
-                    self._nonfinite(step, state, data_state, record, metrics_log)
+                    self._nonfinite(step, state, data_state, record, metrics_log, ema_state)
                     continue
                 if step > first + 1:
                     step_times.append(step_time)
@@ -166,14 +200,20 @@ class Trainer:
                 if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
                     record["eval_loss"] = evals[step] = self._evaluate(eval_step, state,
                                                                        batch_sh)
+                    if ema:  # the EMA visits the device only for the eval's duration
+                        ema_params = jax.device_put(ema_state, state_sh.params)
+                        record["ema_eval_loss"] = ema_evals[step] = self._evaluate(
+                            eval_step, state._replace(params=ema_params), batch_sh)
+                        del ema_params
                     last = time.perf_counter()  # eval time is not step time
                 metrics_log.write(record)
                 if step % tc.log_every == 0 or step == first + 1 or step == tc.steps:
                     self.log(progress_line(record) + (
                         f" | held-out {record['eval_loss']:.4f}" if "eval_loss" in record
-                        else ""))
+                        else "") + (f" (EMA {record['ema_eval_loss']:.4f})"
+                                    if "ema_eval_loss" in record else ""))
                 if step % cfg.checkpoint.every == 0 or step == tc.steps:
-                    self.ckpt.save(step, state, train_iter.get_state())
+                    self.ckpt.save(step, state, train_iter.get_state(), ema_state)
         finally:
             metrics_log.close()
             self.ckpt.close()
@@ -182,7 +222,7 @@ class Trainer:
         summary = Summary(first, int(state.step), losses, evals, entropy,
                           time.perf_counter() - start_wall, median, tps,
                           mfu(tps, flops_per_token, peak, self.mesh.size) if tps else None,
-                          peak_memory_gib())
+                          peak_memory_gib(), ema_eval_losses=ema_evals)
         self._report_summary(summary)
         return summary
 
@@ -193,12 +233,14 @@ class Trainer:
                   "step_time_s": step_time, "tokens_per_s": tokens_per_s,
                   "mfu": mfu(tokens_per_s, flops_per_token, peak, self.mesh.size),
                   "peak_memory_gib": peak_memory_gib()}
+        if self.cfg.mesh.expert > 1:  # what the expert exchange moved
+            record["expert_tokens_format"] = self.cfg.expert_parallel.token_format
         if compiled:
             record["includes_compile"] = True
         return record
 
     def _nonfinite(self, step: int, state: TrainState, data_state: dict, record: dict,
-                   metrics_log: MetricsLog) -> None:
+                   metrics_log: MetricsLog, ema_state: Any = None) -> None:
         """Skips the batch, or saves the last good state (unchanged by the step) and stops."""
         metrics_log.write(record)
         if self.cfg.train.nonfinite == "skip":
@@ -207,7 +249,7 @@ class Trainer:
         good = step - 1
         if self.ckpt.latest_step() != good:
             self.ckpt.save(good, state._replace(step=jnp.full_like(state.step, good)),
-                           data_state)
+                           data_state, ema_state)
         raise TrainingError(
             f"non-finite loss at step {step} (loss {record['total_loss']}, grad norm "
             f"{record['grad_norm']}); the last good state (step {good}) is checkpointed in "
@@ -224,6 +266,8 @@ class Trainer:
                  f"{s.unigram_entropy:.4f})"]
         if s.eval_losses:
             lines.append(f"held-out loss {s.eval_losses[max(s.eval_losses)]:.4f}")
+        if s.ema_eval_losses:
+            lines.append(f"EMA held-out loss {s.ema_eval_losses[max(s.ema_eval_losses)]:.4f}")
         if s.median_step_s:
             lines.append(f"median step {s.median_step_s * 1e3:.1f} ms, "
                          f"{s.tokens_per_s:,.0f} tokens/s, MFU "

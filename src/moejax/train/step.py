@@ -18,6 +18,7 @@ from flax import nnx
 
 from moejax.model import DeepseekV3, ModelOutput, RouterBias
 from moejax.model.routing import update_router_bias
+from moejax.precision import Precision
 from moejax.train.config import ExperimentConfig
 from moejax.train.optimizer import learning_rate, make_optimizer
 
@@ -33,7 +34,7 @@ class TrainState(NamedTuple):
 def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
     return DeepseekV3(cfg.model, rngs=nnx.Rngs(params=key),
                       dtype=jnp.dtype(cfg.train.compute_dtype), param_dtype=jnp.float32,
-                      remat=cfg.train.remat)
+                      remat=cfg.train.remat, precision=Precision(cfg.train.precision))
 
 
 def state_initializer(cfg: ExperimentConfig) -> tuple[nnx.GraphDef,
@@ -72,24 +73,37 @@ def load_balance(counts: jax.Array) -> dict[str, jax.Array]:
     return {"expert_load_max_over_mean": ratio.mean(), "expert_load_worst": ratio.max()}
 
 
+# (params, biases, tokens) -> ((total, (main, mtp, out)), grads); ``out`` needs the
+# ModelOutput fields expert_counts, aux_loss, dropped_tokens and cross_node_tokens.
+LossAndGrads = Callable[[nnx.State, nnx.State, jax.Array], tuple[tuple[jax.Array, tuple], Any]]
+
+
 def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
                     state_shardings: Any = None,
-                    batch_sharding: Any = None) -> Callable[[TrainState, jax.Array],
-                                                            tuple[TrainState, dict]]:
-    """The jitted ``(state, tokens (B, S+1)) -> (state, metrics)``; donates the old state."""
+                    batch_sharding: Any = None,
+                    loss_and_grads: LossAndGrads | None = None) -> Callable[
+                        [TrainState, jax.Array], tuple[TrainState, dict]]:
+    """The jitted ``(state, tokens (B, S+1)) -> (state, metrics)``; donates the old state.
+
+    ``loss_and_grads`` replaces the whole-batch forward/backward (the pipeline executor
+    passes its own); the optimizer update and metrics are the same either way.
+    """
     tc = cfg.train
     tx, schedule = make_optimizer(tc), learning_rate(tc)
 
-    def train_step(state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict]:
+    def whole_batch(params: nnx.State, biases: nnx.State, tokens: jax.Array):
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
         def loss_fn(params: nnx.State):
-            out = nnx.merge(graphdef, params, state.biases).forward(inputs)
+            out = nnx.merge(graphdef, params, biases).forward(inputs)
             main, mtp = losses(out, labels)
             return main + tc.mtp_lambda * mtp + out.aux_loss, (main, mtp, out)
 
-        (total, (main, mtp, out)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params)
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    def train_step(state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict]:
+        (total, (main, mtp, out)), grads = (loss_and_grads or whole_batch)(
+            state.params, state.biases, tokens)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         biases = jax.tree.map(

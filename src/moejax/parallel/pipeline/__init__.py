@@ -2,7 +2,8 @@
 
 ``build(name, P, M)`` gives per-rank op lists; ``simulate`` turns them into timelines
 (bubbles, in-flight activations); ``timeline.render`` draws them. Pure Python: the
-executor over the ``pipe`` mesh axis consumes the same ``Schedule`` objects.
+executor over the ``pipe`` mesh axis (``executor``, on the model cut by ``stages``; not
+imported here, as it needs jax) consumes the same ``Schedule`` objects.
 """
 
 from moejax.parallel.pipeline.schedule import (

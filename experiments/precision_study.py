@@ -1,0 +1,221 @@
+"""BF16 vs FP8 training side by side: speed, memory, loss, and the largest micro-batch.
+
+    python -m experiments.precision_study [--preset small] [--steps 40] [--batch B] [--seq S]
+        [--fit-seq 4096] [--device-memory GiB] [--set section.field=value ...]
+
+Both runs start from the same seed and see the same batches (byte-level text of the Python
+standard library, sampled once). Per precision it prints tokens/s, MFU (active-parameter
+FLOPs, ``moejax.train.flops``), median step time after the first (compiling) step, the
+compiled step's memory (``compiled.memory_analysis()``: arguments + temporaries, as
+``moejax.memory.budget`` counts it; outputs alias the donated state) and the device's
+measured peak, then both loss curves and their
+relative difference after warm-up.
+
+The fit table gives the largest micro-batch at ``--fit-seq`` for remat none / selective
+and BF16 / FP8 activation storage: the step is compiled (never run) at candidate batch
+sizes and its memory compared with the device's memory (``bytes_limit``, or
+``--device-memory``). A linear fit of two compiles (batch 1 and 2) proposes the size; a
+binary search between compiles that fit and that do not settles it, so nothing OOMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.data.corpus import stdlib_documents
+from moejax.data.tokenizer import ByteTokenizer
+from moejax.memory.budget import compiled_peak, device_memory_limit
+from moejax.train.config import ExperimentConfig, apply_overrides, get_experiment_preset
+from moejax.train.flops import mfu, peak_flops, train_flops_per_token
+from moejax.train.step import make_train_step, state_initializer
+
+PRECISIONS = ("bf16", "fp8")
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class RunResult:
+    losses: list[float]
+    step_s: float
+    tokens_per_s: float
+    mfu: float | None
+    compiled_gib: float | None
+    measured_peak_gib: float | None
+
+
+def text_batches(steps: int, batch: int, seq: int, seed: int) -> np.ndarray:
+    """(steps, batch, seq+1) windows of byte-tokenized stdlib text at seeded offsets."""
+    need = steps * batch * (seq + 1) * 4
+    tokenizer, chunks, have = ByteTokenizer(), [], 0
+    for doc in stdlib_documents():
+        chunks.append(tokenizer.encode(doc))
+        have += len(chunks[-1])
+        if have >= need:
+            break
+    stream = np.concatenate(chunks)
+    starts = np.random.default_rng(seed).integers(0, len(stream) - seq - 1, (steps, batch))
+    return stream[starts[..., None] + np.arange(seq + 1)]
+
+
+def measured_peak_gib() -> float | None:
+    peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    return None if peak is None else peak / GIB
+
+
+def train(cfg: ExperimentConfig, batches: np.ndarray) -> RunResult:
+    graphdef, init = state_initializer(cfg)
+    state = jax.jit(init)(cfg.train.seed)
+    compiled = make_train_step(graphdef, cfg).lower(state, jnp.asarray(batches[0])).compile()
+    losses, times = [], []
+    for tokens in batches:
+        start = time.perf_counter()
+        state, metrics = compiled(state, jnp.asarray(tokens))
+        losses.append(float(metrics["loss"]))  # blocks: the step is done
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times[1:] or times)
+    tokens_per_s = cfg.train.tokens_per_step / step_s
+    flops = train_flops_per_token(cfg.model, cfg.train.seq_len)
+    peak = peak_flops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
+    analysis = compiled.memory_analysis()  # counted as moejax.memory.budget.compiled_peak does
+    used = (None if analysis is None
+            else analysis.argument_size_in_bytes + analysis.temp_size_in_bytes)
+    return RunResult(losses, step_s, tokens_per_s, mfu(tokens_per_s, flops, peak, 1),
+                     None if used is None else used / GIB, measured_peak_gib())
+
+
+def largest_batch(bytes_at: Callable[[int], int], limit: int, cap: int = 4096) -> int:
+    """The largest batch <= ``cap`` whose compiled step fits ``limit`` bytes (0: none does).
+
+    Two compiles fit a line (the step's memory grows linearly in batch); from its guess the
+    search gallops outward until it brackets the answer, then bisects: ~4 compiles.
+    """
+    one = bytes_at(1)
+    if one > limit:
+        return 0
+    slope = max(bytes_at(2) - one, 1)
+    probe = int(min(cap, max(1, 1 + (limit - one) // slope)))
+    fits, misses, stride = 1, cap + 1, 1
+    upward = bytes_at(probe) <= limit
+    fits, misses = (probe, misses) if upward else (fits, probe)
+    while misses - fits > 1:  # gallop away from the guess until the answer is bracketed
+        probe = min(fits + stride, misses - 1) if upward else max(misses - stride, fits + 1)
+        if (bytes_at(probe) <= limit) != upward:
+            fits, misses = (fits, probe) if upward else (probe, misses)
+            break
+        fits, misses = (probe, misses) if upward else (fits, probe)
+        stride *= 2
+    while misses - fits > 1:
+        mid = (fits + misses) // 2
+        fits, misses = (mid, misses) if bytes_at(mid) <= limit else (fits, mid)
+    return fits
+
+
+CPU_ASSUMED_GIB = 1.0
+
+
+def device_memory_bytes(override_gib: float | None) -> int:
+    """The memory to fit into: ``--device-memory``, else the device's ``bytes_limit``; a CPU
+    reports none, so a smoke run there assumes ``CPU_ASSUMED_GIB`` (and says so)."""
+    if override_gib is not None:
+        return int(override_gib * GIB)
+    limit = device_memory_limit(jax.local_devices()[0])
+    if limit is None:
+        print(f"(no device memory limit reported: assuming {CPU_ASSUMED_GIB} GiB; "
+              f"pass --device-memory)")
+        return int(CPU_ASSUMED_GIB * GIB)
+    return int(limit)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def print_runs(results: dict[str, RunResult], cfg: ExperimentConfig) -> None:
+    print(f"\n{'':<28}" + "".join(f"{p:>14}" for p in results))
+    rows = [("tokens/s", lambda r: _fmt(r.tokens_per_s, ",.0f")),
+            ("MFU (BF16 peak)", lambda r: _fmt(None if r.mfu is None else 100 * r.mfu, ".1f")
+             + ("%" if r.mfu is not None else "")),
+            ("step time (ms, median)", lambda r: _fmt(1e3 * r.step_s, ".1f")),
+            ("compiled step memory (GiB)", lambda r: _fmt(r.compiled_gib, ".2f")),
+            ("measured peak so far (GiB)", lambda r: _fmt(r.measured_peak_gib, ".2f"))]
+    for name, cell in rows:
+        print(f"{name:<28}" + "".join(f"{cell(r):>14}" for r in results.values()))
+    bf16, fp8 = results["bf16"], results["fp8"]
+    print(f"FP8 / BF16 tokens/s: {fp8.tokens_per_s / bf16.tokens_per_s:.2f}x")
+    print(f"\n{'step':>5} {'bf16 loss':>10} {'fp8 loss':>10} {'rel diff':>9}")
+    for step, (a, b) in enumerate(zip(bf16.losses, fp8.losses), start=1):
+        print(f"{step:>5} {a:>10.4f} {b:>10.4f} {(b - a) / a:>+9.2%}")
+    warm = cfg.train.warmup_steps
+    rel = np.abs(np.subtract(fp8.losses, bf16.losses)[warm:]) / np.array(bf16.losses[warm:])
+    if rel.size:
+        print(f"after warm-up (steps > {warm}): relative loss difference mean {rel.mean():.3%}, "
+              f"max {rel.max():.3%}, last {rel[-1]:.3%}")
+
+
+def print_fit(cfg: ExperimentConfig, seq: int, limit: int) -> None:
+    """The four searches run in threads: XLA compiles without the GIL, so they overlap."""
+    print(f"\nlargest micro-batch at seq {seq} within {limit / GIB:.1f} GiB "
+          f"(compiled memory, nothing run):")
+    cases = [(remat, precision) for remat in ("none", "selective") for precision in PRECISIONS]
+
+    def search(case: tuple[str, str]) -> int:
+        remat, precision = case
+        run = apply_overrides(cfg, [f"train.remat={remat}", f"train.precision={precision}",
+                                    f"train.seq_len={seq}", "train.batch_size=1"])
+        return largest_batch(lambda batch: compiled_peak(run, batch)[0], limit)
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        found = dict(zip(cases, pool.map(search, cases)))
+    for (remat, precision), batch in found.items():
+        print(f"  remat={remat:<10} precision={precision:<5} batch {batch}")
+    base = found["none", "bf16"]
+    if base:
+        print(f"selective + FP8 storage vs none + BF16: "
+              f"{found['selective', 'fp8'] / base:.2f}x the micro-batch")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, help="global batch (default: the preset's)")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    parser.add_argument("--fit-seq", type=int,
+                        help="sequence length of the largest-micro-batch search: default "
+                             "4096 or the model's max_position_embeddings if less; 0 skips it")
+    parser.add_argument("--device-memory", type=float,
+                        help="GiB to fit into (default: the device's bytes_limit)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.FIELD=VALUE")
+    args = parser.parse_args(argv)
+
+    base = get_experiment_preset(args.preset)
+    sizes = [f"train.steps={args.steps}",
+             f"train.warmup_steps={min(base.train.warmup_steps, max(args.steps - 1, 0))}"]
+    sizes += [f"train.batch_size={args.batch}"] if args.batch else []
+    sizes += [f"train.seq_len={args.seq}"] if args.seq else []
+    cfg = apply_overrides(base, sizes + args.overrides)
+    tc = cfg.train
+    print(f"preset {args.preset}: batch {tc.batch_size} x seq {tc.seq_len}, {tc.steps} steps, "
+          f"device {jax.devices()[0].device_kind}, remat {tc.remat}")
+    batches = text_batches(tc.steps, tc.batch_size, tc.seq_len, tc.seed)
+    results = {p: train(apply_overrides(cfg, [f"train.precision={p}"]), batches)
+               for p in PRECISIONS}
+    print_runs(results, cfg)
+    fit_seq = (min(4096, cfg.model.max_position_embeddings) if args.fit_seq is None
+               else args.fit_seq)
+    if fit_seq:
+        print_fit(cfg, fit_seq, device_memory_bytes(args.device_memory))
+
+
+if __name__ == "__main__":
+    main()

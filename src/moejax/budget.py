@@ -1,0 +1,64 @@
+"""Will it fit? ``python -m moejax.budget --preset NAME --mesh ... [--set ...]``.
+
+Prints the per-device memory budget of one training step (``moejax.memory.budget``) as a
+table with a fits / does-not-fit verdict. ``--validate`` also compiles the real one-device
+step at the same micro-batch and prints XLA's ``memory_analysis()`` beside the estimate.
+Bad input: one line on stderr, exit status 2; a budget that does not fit: exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moejax.config import ConfigError
+from moejax.memory.budget import GIB, compiled_peak, estimate, parse_bytes
+from moejax.parallel.mesh import MeshSpec
+from moejax.train.config import apply_overrides, get_experiment_preset
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m moejax.budget", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", help="model + training preset (default tiny)")
+    p.add_argument("--mesh", default="", metavar="pipe=P,data=D,expert=E",
+                   help="the layout to budget for (no devices needed)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a config field, e.g. --set train.remat=full (repeatable)")
+    p.add_argument("--device-memory", help="memory per device, e.g. 80GB (binary units)")
+    p.add_argument("--micro-batch", type=int,
+                   help="sequences per device per forward/backward (default: the global "
+                        "batch over data x expert)")
+    p.add_argument("--validate", action="store_true",
+                   help="compile the real one-device step at this micro-batch and compare "
+                        "with XLA's memory_analysis() (one-device meshes only)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = apply_overrides(get_experiment_preset(args.preset), args.set)
+        mesh = MeshSpec.parse(args.mesh)
+        if args.micro_batch is not None and args.micro_batch < 1:
+            raise ConfigError(f"--micro-batch={args.micro_batch}: must be >= 1")
+        if args.validate and mesh.size != 1:
+            raise ConfigError(f"--validate with --mesh {mesh}: compiles the one-device step; "
+                              "leave --mesh out")
+        memory = parse_bytes(args.device_memory) if args.device_memory else None
+        budget = estimate(cfg, mesh, micro_batch=args.micro_batch, device_memory=memory)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(budget.table())
+    if args.validate:
+        peak, analysis = compiled_peak(cfg, args.micro_batch)
+        print(f"XLA memory_analysis of the real step: arguments "
+              f"{analysis.argument_size_in_bytes / GIB:.3f} GiB + temp "
+              f"{analysis.temp_size_in_bytes / GIB:.3f} GiB = {peak / GIB:.3f} GiB; budget "
+              f"{budget.device_total / GIB:.3f} GiB ({budget.device_total / peak - 1:+.1%})")
+    return 1 if budget.fits is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""Per-device memory budget of one training step: "will it fit?" before compiling it.
+
+Terms (bytes per device; the worst device when the layers are split over ``pipe``):
+
+- **parameters, gradients, optimizer state** are exact: the abstract train state
+  (``state_initializer``) laid out by the run's own shardings
+  (``moejax.train.placement.train_state_shardings`` over an abstract mesh of the requested
+  shape), each leaf counted at its per-device shard shape. ZeRO-3 splits all three over
+  ``data``, ZeRO-1 only the optimizer state; experts split over ``expert``. Gradients have
+  the FP32 master parameters' shapes and layout. With ``pipe`` > 1 the stacked layers are
+  split into ``ceil(n / pipe)`` per stage and the embedding, head and MTP module are counted
+  on the same (worst) device, as DualPipe puts the first and last stage together.
+- **EMA**: a parameter copy in pinned host memory (``moejax.memory.ema``): 0 device bytes
+  where the backend has ``pinned_host``, else counted on the device.
+- **saved activations** (per micro-batch): exactly what autodiff keeps for backward under
+  the remat policy, read from the traced loss (``saved_residuals`` of the model at the
+  per-device micro-batch): the residuals that are not step inputs. It follows the model's
+  code, so the remat policy, the compute dtype and any FP8 activation storage show up as
+  they are. With ``pipe`` > 1: the worst stage's share of the layers times the micro-batches
+  in flight there (DualPipe: pipe + 1).
+- **backward workspace**: what XLA's temp buffers hold beyond the gradients and the saved
+  activations: the activations of the block being differentiated (recomputed ones under
+  remat), their cotangents, the loss head's logits-sized buffers, and kernel scratch (on
+  XLA:CPU the reference grouped GEMM expands (rows, experts, hidden) one-hot products; the
+  GPU kernels need none). It depends on XLA's schedule, not only on shapes, so it is
+  measured: the step of a reduced-depth copy of the model (the dense layers and at most
+  two MoE layers, per-device micro-batch) is compiled alone on this backend and
+  ``temp - gradients - saved activations`` of that copy is taken as depth-independent.
+- **ZeRO-3 gathered layer**: with ZeRO-3 over ``data`` > 1, XLA all-gathers one layer's
+  weights (FP32) inside the layer scan.
+- **communication buffers** of the expert-parallel exchange (``moejax.parallel.expert``)
+  for one MoE layer: padded transport: send and receive buffers of ``ep * C`` rows
+  (``C = T * k`` dropless, ``ceil(f * T * k / ep)`` with capacity factor f); ragged: the
+  ``T * k`` sorted rows plus a worst-case receive buffer of ``ep * T * k`` rows.
+
+XLA's peak is ``arguments + temp`` (outputs alias the donated state), i.e. parameters +
+optimizer state (+ EMA on device) + temp, and temp = gradients + saved activations +
+workspace (+ gathered layer + exchange buffers on a mesh). Single-device estimates are
+checked against ``compiled.memory_analysis()`` of the real step (``tests/test_budget.py``,
+``python -m moejax.budget --validate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals  # no public twin in jax 0.10/0.11
+from jax.sharding import AbstractMesh, AxisType
+
+from moejax.config import ConfigError
+from moejax.memory.ema import has_host_memory
+from moejax.parallel.mesh import AXES, MeshSpec
+from moejax.parallel.sharding import STACKED
+from moejax.train.config import ExperimentConfig, apply_overrides
+from moejax.train.optimizer import make_optimizer
+from moejax.train.placement import train_state_shardings
+from moejax.train.step import TrainState, losses, make_train_step, state_initializer
+
+GIB = 2**30
+_UNITS = {"": 1, "B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20,
+          "GB": 2**30, "GIB": 2**30, "TB": 2**40, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' / '80GiB' / '1.5TB' / '123456' -> bytes (binary units: an "80GB" H100 holds
+    about 79 GiB usable, so GB is read as GiB rather than overstating the card)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"--device-memory={text!r}: expected a size like 80GB, 141GiB or "
+                          f"85899345920")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: int
+    note: str
+    on_device: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    terms: tuple[Term, ...]
+    device_memory: int | None  # bytes; None: unknown (no verdict)
+    title: str
+
+    @property
+    def device_total(self) -> int:
+        return sum(t.bytes for t in self.terms if t.on_device)
+
+    @property
+    def largest(self) -> Term:
+        return max((t for t in self.terms if t.on_device), key=lambda t: t.bytes)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.device_total <= self.device_memory
+
+    def term(self, name: str) -> Term:
+        (found,) = [t for t in self.terms if t.name == name]
+        return found
+
+    def table(self) -> str:
+        rows = [self.title, f"{'term':<28}{'GiB':>12}  where   note"]
+        for t in self.terms:
+            rows.append(f"{t.name:<28}{t.bytes / GIB:>12.3f}  "
+                        f"{'device' if t.on_device else 'host  '}  {t.note}")
+        rows.append(f"{'total on device':<28}{self.device_total / GIB:>12.3f}")
+        if self.device_memory is None:
+            rows.append("verdict: device memory unknown (pass --device-memory)")
+        else:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            rows.append(f"verdict: {verdict} in {self.device_memory / GIB:.2f} GiB "
+                        f"({self.device_total / self.device_memory:.0%} used); largest term: "
+                        f"{self.largest.name} ({self.largest.bytes / GIB:.3f} GiB)")
+        return "\n".join(rows)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
+def _per_device(tree: Any, shardings: Any, pipe: int) -> int:
+    """Bytes of the worst device's shards; stacked layers split ``ceil(n / pipe)``."""
+    total = 0
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings), strict=True):
+        shape = list(sharding.shard_shape(leaf.shape))
+        if pipe > 1 and any(name in jax.tree_util.keystr(path) for name in STACKED):
+            shape[0] = -(-shape[0] // pipe)
+        total += _nbytes(tuple(shape), leaf.dtype)
+    return total
+
+
+def _gathered_layer(params: Any, shardings: Any, data: int) -> int:
+    """One stacked layer's weights with the ``data`` split undone (ZeRO-3 all-gather)."""
+    per_stack: dict[str, int] = {}
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings), strict=True):
+        key = jax.tree_util.keystr(path)
+        stack = next((name for name in STACKED if name in key), None)
+        if stack is None:
+            continue
+        shape = sharding.shard_shape(leaf.shape)
+        gathered = data if "data" in jax.tree.leaves(tuple(sharding.spec)) else 1
+        per_stack[stack] = per_stack.get(stack, 0) + (
+            _nbytes(shape[1:], leaf.dtype) * gathered)
+    return max(per_stack.values(), default=0)
+
+
+def _abstract_mesh(mesh: MeshSpec) -> AbstractMesh:
+    return AbstractMesh(mesh.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def saved_activation_bytes(cfg: ExperimentConfig, micro_batch: int) -> int:
+    """Bytes autodiff keeps for backward: the loss's residuals that are not its inputs."""
+    graphdef, init = state_initializer(cfg)
+    abstract = jax.eval_shape(init, jnp.uint32(0))
+    tokens = jax.ShapeDtypeStruct((micro_batch, cfg.train.seq_len + 1), jnp.int32)
+
+    def loss(params: nnx.State, biases: nnx.State, tokens: jax.Array) -> jax.Array:
+        out = nnx.merge(graphdef, params, biases).forward(tokens[:, :-1])
+        main, mtp = losses(out, tokens[:, 1:])
+        return main + cfg.train.mtp_lambda * mtp + out.aux_loss
+
+    residuals = saved_residuals(loss, abstract.params, abstract.biases, tokens)
+    return sum(_nbytes(r.shape, r.dtype) for r, where in residuals
+               if not where.startswith("from the argument"))
+
+
+def _reduced_depth(cfg: ExperimentConfig, micro_batch: int) -> ExperimentConfig:
+    """The dense layers and at most two MoE layers, at the per-device micro-batch."""
+    m = cfg.model
+    layers = min(m.num_hidden_layers, m.first_k_dense_replace + 2)
+    return dataclasses.replace(
+        cfg, model=m.replace(num_hidden_layers=layers), mesh=MeshSpec(),
+        train=dataclasses.replace(cfg.train, batch_size=micro_batch))
+
+
+def workspace_bytes(cfg: ExperimentConfig, micro_batch: int) -> int:
+    """XLA's temp beyond gradients and saved activations, for the reduced-depth step
+    compiled on this backend (taken as independent of depth)."""
+    reduced = _reduced_depth(cfg, micro_batch)
+    graphdef, init = state_initializer(reduced)
+    abstract = jax.eval_shape(init, jnp.uint32(0))
+    tokens = jax.ShapeDtypeStruct((micro_batch, reduced.train.seq_len + 1), jnp.int32)
+    temp = make_train_step(graphdef, reduced).lower(abstract, tokens).compile() \
+        .memory_analysis().temp_size_in_bytes
+    grads = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(abstract.params))
+    return max(0, temp - grads - saved_activation_bytes(reduced, micro_batch))
+
+
+def exchange_bytes(cfg: ExperimentConfig, mesh: MeshSpec, micro_batch: int,
+                   transport: str) -> int:
+    """One MoE layer's expert-parallel send + receive buffers on one device."""
+    ep, m = mesh.expert, cfg.model
+    if ep == 1 or m.num_moe_layers == 0:
+        return 0
+    rows = micro_batch * cfg.train.seq_len * m.num_experts_per_tok  # T * k routed copies
+    row_bytes = _nbytes((m.hidden_size,), cfg.train.compute_dtype)
+    factor = cfg.expert_parallel.capacity_factor
+    if transport == "ragged":
+        return (rows + ep * rows) * row_bytes
+    capacity = rows if factor is None else max(1, math.ceil(factor * rows / ep))
+    return 2 * ep * capacity * (row_bytes + 4)  # tokens and int32 expert ids, both ways
+
+
+def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
+             micro_batch: int | None = None, device_memory: int | None = None) -> Budget:
+    """The per-device budget of ``cfg``'s train step on ``mesh`` (default ``cfg.mesh``).
+
+    ``micro_batch``: sequences per device per forward/backward (default: the global batch
+    over data x expert, as the train step runs it). Compiles one reduced-depth step.
+    """
+    mesh = mesh or cfg.mesh
+    tc = cfg.train
+    batch_shards = mesh.data * mesh.expert
+    if micro_batch is None:
+        if tc.batch_size % batch_shards:
+            raise ConfigError(f"train.batch_size={tc.batch_size}: must divide over data x "
+                              f"expert = {batch_shards}, or pass a micro-batch")
+        micro_batch = tc.batch_size // batch_shards
+    ema_on_host = has_host_memory(jax.devices()[0])
+    transport = cfg.expert_parallel.resolved_transport()
+
+    _, init = state_initializer(cfg)
+    abstract: TrainState = jax.eval_shape(init, jnp.uint32(0))
+    shardings = train_state_shardings(abstract, _abstract_mesh(mesh), make_optimizer(tc),
+                                      tc.zero_stage)
+    pipe = mesh.pipe
+    params = _per_device(abstract.params, shardings.params, pipe)
+    biases = _per_device(abstract.biases, shardings.biases, pipe)
+    optimizer = _per_device(abstract.opt_state, shardings.opt_state, pipe)
+
+    layers = cfg.model.num_hidden_layers
+    stage_share = 1.0 if pipe == 1 else min(1.0, math.ceil(layers / pipe) / layers)
+    in_flight = 1 if pipe == 1 else pipe + 1
+    saved = saved_activation_bytes(cfg, micro_batch)
+    workspace = workspace_bytes(cfg, micro_batch)
+    gathered = (_gathered_layer(abstract.params, shardings.params, mesh.data)
+                if tc.zero_stage == 3 and mesh.data > 1 else 0)
+    exchange = exchange_bytes(cfg, mesh, micro_batch, transport)
+
+    tokens = micro_batch * tc.seq_len
+    terms = (
+        Term("parameters", params + biases,
+             f"FP32 master, ZeRO-{tc.zero_stage} over data={mesh.data}, "
+             f"experts over expert={mesh.expert}"),
+        Term("gradients", params, "FP32, laid out like the parameters"),
+        Term("optimizer state", optimizer, f"AdamW moments in {tc.moments_dtype}, sharded "
+                                           "over data"),
+        Term("EMA", params if tc.ema_decay else 0,
+             ("off" if not tc.ema_decay else "pinned host memory" if ema_on_host
+              else "no pinned_host memory kind here: kept on the device"),
+             on_device=not ema_on_host),
+        Term("saved activations", int(saved * stage_share * in_flight),
+             f"micro-batch {micro_batch} x {tc.seq_len} tokens, remat={tc.remat}, "
+             f"precision={tc.precision}, compute {tc.compute_dtype}"
+             + (f", x{in_flight} in flight" if in_flight > 1 else "")),
+        Term("backward workspace", workspace, "XLA temp of a reduced-depth step beyond "
+                                              "gradients and saved activations"),
+        Term("ZeRO-3 gathered layer", gathered,
+             "one layer's weights all-gathered over data" if gathered else "n/a"),
+        Term("expert exchange buffers", exchange,
+             f"{transport} all_to_all over expert={mesh.expert}, {tokens} tokens"
+             if exchange else "n/a (expert=1)"),
+    )
+    title = (f"memory budget per device: {cfg.model.hidden_size}-wide, "
+             f"{cfg.model.num_hidden_layers} layers, mesh {mesh}, "
+             f"backend {jax.default_backend()}")
+    return Budget(terms, device_memory, title)
+
+
+def device_memory_limit(device: jax.Device) -> int | None:
+    """The allocator's limit on ``device`` (GPU/TPU), None where the runtime has none."""
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def check_fits(cfg: ExperimentConfig, device: jax.Device) -> Budget | None:
+    """Raises ConfigError with the budget table when the step cannot fit on ``device``."""
+    limit = device_memory_limit(device)
+    if limit is None:
+        return None
+    budget = estimate(cfg, device_memory=limit)
+    if not budget.fits:
+        raise ConfigError(
+            f"the train step needs about {budget.device_total / GIB:.2f} GiB per device, "
+            f"more than the {limit / GIB:.2f} GiB the device has; the largest term is "
+            f"{budget.largest.name} ({budget.largest.bytes / GIB:.2f} GiB). Shrink it "
+            f"(e.g. train.batch_size, train.seq_len, train.remat=selective|full, "
+            f"train.moments_dtype=bfloat16, a larger data axis).\n{budget.table()}")
+    return budget
+
+
+def compiled_peak(cfg: ExperimentConfig, micro_batch: int | None = None) -> tuple[int, Any]:
+    """XLA's own peak (arguments + temp) of the real one-device step, and its analysis."""
+    if micro_batch is not None:
+        cfg = apply_overrides(cfg, [f"train.batch_size={micro_batch}"])
+    graphdef, init = state_initializer(cfg)
+    abstract = jax.eval_shape(init, jnp.uint32(0))
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
+    analysis = make_train_step(graphdef, cfg).lower(abstract, tokens).compile() \
+        .memory_analysis()
+    return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes, analysis

@@ -1,0 +1,127 @@
+"""Timing the executor on real devices: step time, per-tick bubble, and the F&B overlap.
+
+Used by ``experiments/pipeline_study.py``. Every number here is a wall-clock or a trace
+measurement of compiled code (compiled and run once before timing), never a model.
+
+- :func:`measure_schedule`: the whole jitted step (median of repeats) and, from a second
+  run that waits after every tick, each tick's time. A rank's measured bubble is the time
+  of the ticks in which it runs no F or B, over the sum of tick times (lock-step ticks hide
+  the imbalance inside a tick, so this is a lower bound of its idle time).
+- :func:`fb_pair`: one F&B pair of two micro-batches on a mesh without ``pipe`` (e.g.
+  ``expert=2``): the F of micro-batch A and the forward+backward of micro-batch B in one
+  program with no data dependence between them, against the same two chunks forced to run
+  one after the other (an ``optimization_barrier`` makes B's input wait for A's loss). With
+  a profile directory, the exposed communication of the pair comes from the trace
+  (``moejax.profiling``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import ModelConfig, get_model_preset
+from moejax.model import DeepseekV3, RouterBias
+from moejax.parallel.mesh import MeshSpec, build_mesh
+from moejax.parallel.pipeline.executor import PipelineExecutor
+from moejax.parallel.pipeline.schedule import build
+from moejax.profiling import median_seconds, profile
+from moejax.train.step import losses
+
+MTP_LAMBDA = 0.3
+
+
+class Problem(NamedTuple):
+    config: ModelConfig
+    dtype: jnp.dtype
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    biases: nnx.State
+    tokens: jax.Array  # (B, S+1)
+
+
+def make_problem(preset: str, layers: int, batch: int, seq: int, dtype: str,
+                 seed: int = 0) -> Problem:
+    """A freshly initialised model of ``preset`` with ``layers`` layers, random tokens."""
+    config = dataclasses.replace(get_model_preset(preset), num_hidden_layers=layers)
+    compute = jnp.dtype(dtype)
+    graphdef, params, biases = nnx.split(
+        DeepseekV3(config, rngs=nnx.Rngs(seed), dtype=compute), nnx.Param, RouterBias)
+    tokens = jax.random.randint(jax.random.key(seed + 1), (batch, seq + 1), 0,
+                                config.vocab_size)
+    return Problem(config, compute, graphdef, params, biases, tokens)
+
+
+class Measured(NamedTuple):
+    step_s: float  # median wall time of the whole jitted step
+    tick_s: tuple[float, ...]  # each tick's wall time (host waits after each)
+    bubble_fraction: tuple[float, ...]  # per rank: idle ticks' time / all ticks' time
+    loss: float
+
+
+def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: int,
+                     repeats: int = 5, profile_dir: pathlib.Path | None = None) -> Measured:
+    """Runs schedule ``name`` over ``mesh`` (its ``pipe`` axis = ranks) on ``problem``."""
+    devices = jax.devices()[:mesh.size]
+    executor = PipelineExecutor(build(name, mesh.pipe, microbatches), problem.graphdef,
+                                problem.config, problem.dtype, MTP_LAMBDA)
+    with jax.set_mesh(build_mesh(mesh, devices)):
+        step = jax.jit(executor.step)
+        run = lambda: step(problem.params, problem.biases, problem.tokens)  # noqa: E731
+        step_s = median_seconds(run, repeats)
+        if profile_dir is not None:
+            with jax.profiler.trace(str(profile_dir / name)):
+                jax.block_until_ready(run())
+        result, ticks = executor.timed_step(problem.params, problem.biases, problem.tokens)
+    total = sum(ticks)
+    bubbles = tuple(sum(t for t, idle in zip(ticks, executor.idle_ticks(r)) if idle) / total
+                    for r in range(mesh.pipe))
+    return Measured(step_s, tuple(ticks), bubbles, float(result.total))
+
+
+class PairResult(NamedTuple):
+    pair_s: float  # F(A) and F+B(B) in one program, independent
+    sequential_s: float  # the same, B forced to start after A's forward ends
+    pair_busy_ms: float | None  # device busy time of one pair (from the trace)
+    exposed_comm_ms: float | None  # communication under no compute, per pair (trace)
+
+
+def fb_pair(problem: Problem, mesh: MeshSpec, repeats: int = 10,
+            profile_dir: pathlib.Path | None = None) -> PairResult:
+    """Times an F&B pair of two micro-batches (halves of ``problem.tokens``) interleaved
+    vs one after the other, on ``mesh`` (no pipe axis: the whole model is one chunk)."""
+    graphdef, biases = problem.graphdef, problem.biases
+    half = problem.tokens.shape[0] // 2
+    tokens_a, tokens_b = problem.tokens[:half], problem.tokens[half:]
+
+    def loss(params: nnx.State, tokens: jax.Array) -> jax.Array:
+        out = nnx.merge(graphdef, params, biases).forward(tokens[:, :-1])
+        main, mtp = losses(out, tokens[:, 1:])
+        return main + MTP_LAMBDA * mtp + out.aux_loss
+
+    def pair(params, tokens_a, tokens_b):
+        return loss(params, tokens_a), jax.grad(loss)(params, tokens_b)
+
+    def sequential(params, tokens_a, tokens_b):
+        loss_a = loss(params, tokens_a)
+        loss_a, tokens_b = jax.lax.optimization_barrier((loss_a, tokens_b))
+        return loss_a, jax.grad(loss)(params, tokens_b)
+
+    with jax.set_mesh(build_mesh(mesh, jax.devices()[:mesh.size])):
+        runs = {name: (lambda f=jax.jit(fn): f(problem.params, tokens_a, tokens_b))
+                for name, fn in (("pair", pair), ("sequential", sequential))}
+        pair_s = median_seconds(runs["pair"], repeats)
+        sequential_s = median_seconds(runs["sequential"], repeats)
+        busy = exposed = None
+        if profile_dir is not None:
+            try:
+                split = profile(runs["pair"], profile_dir / "fb_pair")
+                busy, exposed = split.total_busy_ms, split.exposed_communication_ms
+            except ValueError:  # no accelerator kernels in the trace (CPU)
+                pass
+    return PairResult(pair_s, sequential_s, busy, exposed)

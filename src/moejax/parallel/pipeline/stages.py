@@ -1,0 +1,148 @@
+"""The real model cut into pipeline stages: contiguous layer ranges, one function per stage.
+
+Layers 0..L-1 (the ``first_k_dense_replace`` dense blocks, then the MoE blocks) are split
+into S contiguous stages as evenly as possible (the first ``L % S`` stages take one more
+layer). Stage 0 also embeds the tokens; stage S-1 also runs the final norm, the output
+head, the MTP modules and the losses. Every stage reads the *same* parameter tree (the
+normal unpipelined layout) and touches only its own rows of the stacked layers, so the
+embedding and head shared by stage 0 and stage S-1 (DualPipe and DualPipeV put both on
+rank 0) exist once, and checkpoints do not depend on the schedule.
+
+``stage_forward`` has one output structure for every stage, so an executor can
+``lax.switch`` on a traced stage index; stages of one :class:`StageShape` (e.g. all middle
+stages of an all-MoE split) share one branch that reads its stack rows at traced offsets,
+which keeps the compiled program small when a pipe has many stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import ModelConfig, fail
+from moejax.model import DeepseekV3
+from moejax.model.decoder import DecoderBlock
+from moejax.model.rope import rope_tables
+from moejax.model.transformer import run_stack
+from moejax.train.step import cross_entropy
+
+
+class StageStats(NamedTuple):
+    """What one stage reports for one micro-batch; summed over stages and micro-batches."""
+
+    loss: jax.Array  # the part of the total loss this stage owns (aux, + main/MTP at the end)
+    main: jax.Array  # main next-token loss (last stage only, else 0)
+    mtp: jax.Array  # MTP loss averaged over depths (last stage only, else 0)
+    aux: jax.Array  # aux balance loss of this stage's MoE blocks (already times alpha)
+    counts: jax.Array  # (R, E) int32: this stage's router rows filled, the others 0
+    dropped: jax.Array  # int32
+    cross_node: jax.Array  # int32
+
+
+class StageShape(NamedTuple):
+    """What a stage's code depends on; stages of one shape share one compiled function
+    and differ only in which rows of the stacked layers they read."""
+
+    first: bool  # embeds the tokens
+    last: bool  # runs head, MTP and losses
+    dense: int  # dense blocks it runs
+    moe: int  # MoE blocks it runs
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """Which global layers each stage runs: ``layers[s] = (first, end)``."""
+
+    config: ModelConfig
+    num_stages: int
+    layers: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def split(cls, config: ModelConfig, num_stages: int) -> "StagePlan":
+        """Contiguous, as even as possible; every stage gets at least one layer."""
+        total = config.num_hidden_layers
+        if num_stages > total:
+            fail("model.num_hidden_layers", total,
+                 f"must be >= the {num_stages} pipeline stages (one layer per stage at least)")
+        base, extra = divmod(total, num_stages)
+        bounds, start = [], 0
+        for s in range(num_stages):
+            end = start + base + (s < extra)
+            bounds.append((start, end))
+            start = end
+        return cls(config, num_stages, tuple(bounds))
+
+    def shape(self, stage: int) -> StageShape:
+        first, end = self.layers[stage]
+        dense = self.config.first_k_dense_replace
+        return StageShape(stage == 0, stage == self.num_stages - 1,
+                          max(0, min(end, dense) - first), max(0, end - max(first, dense)))
+
+    def offsets(self, stage: int) -> tuple[int, int]:
+        """Index of the stage's first dense block and first MoE block in their stacks."""
+        first, _ = self.layers[stage]
+        dense = self.config.first_k_dense_replace
+        return min(first, dense), max(first, dense) - dense
+
+
+def _rows(stack: DecoderBlock, start: jax.Array, size: int) -> DecoderBlock:
+    """Blocks ``start..start+size-1`` of a stack (``start`` may be traced)."""
+    graphdef, state = nnx.split(stack)
+    return nnx.merge(graphdef, jax.tree.map(
+        lambda x: jax.lax.dynamic_slice_in_dim(x, start, size), state))
+
+
+def stage_forward(shape: StageShape, dense_start: jax.Array, moe_start: jax.Array,
+                  model: DeepseekV3, h: jax.Array, tokens: jax.Array,
+                  mtp_lambda: float) -> tuple[jax.Array, StageStats]:
+    """A stage of ``shape`` starting at those stack rows, on one micro-batch: ``h``
+    (b, S, H) in, next stage's ``h`` out.
+
+    ``tokens`` is the micro-batch (b, S+1); a first stage ignores ``h`` and embeds
+    ``tokens[:, :-1]``; a last stage returns zeros for ``h`` and puts the losses in
+    ``StageStats``.
+    """
+    c = model.config
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    seq = inputs.shape[1]
+    cos, sin = rope_tables(c, jnp.arange(seq)[None, :])
+    biases = model.router_bias[...]
+    counts = jnp.zeros(biases.shape, jnp.int32)
+    aux = jnp.zeros((), jnp.float32)
+    dropped = cross_node = jnp.zeros((), jnp.int32)
+    if shape.first:
+        h = model.embed(inputs)
+    if shape.dense:
+        no_bias = jnp.zeros((shape.dense, c.n_routed_experts), jnp.float32)
+        h = run_stack(_rows(model.dense_blocks, dense_start, shape.dense), h, cos, sin,
+                       no_bias, model.remat).h
+    if shape.moe:
+        h, stats = run_stack(_rows(model.moe_blocks, moe_start, shape.moe), h, cos, sin,
+                              jax.lax.dynamic_slice_in_dim(biases, moe_start, shape.moe),
+                              model.remat)
+        counts = jax.lax.dynamic_update_slice_in_dim(counts, stats.counts, moe_start, 0)
+        aux = aux + c.aux_loss_alpha * stats.balance_loss.sum()
+        dropped, cross_node = dropped + stats.dropped.sum(), cross_node + stats.cross_node.sum()
+    main = mtp = jnp.zeros((), jnp.float32)
+    if shape.last:
+        main = cross_entropy(model.head(model.norm(h)), labels)
+        mtp_losses = []
+        for depth, module in enumerate(model.mtp, start=1):
+            row = c.num_moe_layers + depth - 1
+            bias = biases[row] if row < biases.shape[0] else None
+            h, stats = module(h[:, :seq - depth], model.embed(inputs[:, depth:]),
+                              cos[:, :seq - depth], sin[:, :seq - depth], bias)
+            mtp_losses.append(cross_entropy(model.head(module.norm(h)), labels[:, depth:]))
+            if bias is not None:
+                counts = counts.at[row].set(stats.counts)
+                aux = aux + c.aux_loss_alpha * stats.balance_loss
+                dropped, cross_node = dropped + stats.dropped, cross_node + stats.cross_node
+        if mtp_losses:
+            mtp = jnp.mean(jnp.stack(mtp_losses))
+        h = jnp.zeros((tokens.shape[0], seq, c.hidden_size), model.dtype)
+    loss = aux + main + mtp_lambda * mtp
+    return h.astype(model.dtype), StageStats(loss, main, mtp, aux, counts, dropped, cross_node)

@@ -1,0 +1,89 @@
+"""The memory budget against XLA's own ``memory_analysis()`` of the real step, its exact
+terms against hand counts, the CLI verdict, and the Trainer's fail-before-compile check."""
+
+import pytest
+
+from moejax.budget import main as budget_cli
+from moejax.config import ConfigError
+from moejax.memory import budget as budget_model
+from moejax.parallel.mesh import MeshSpec
+from moejax.train.config import apply_overrides, get_experiment_preset
+
+# Deeper than the budget's reduced-depth copy (the dense layers + 2 MoE layers), so the
+# estimate extrapolates rather than compiling the very step it is checked against. No MTP
+# and no dense layer keep the compiles short.
+SHAPES = ["model.num_hidden_layers=5", "model.first_k_dense_replace=0",
+          "model.num_nextn_predict_layers=0", "train.seq_len=32", "train.batch_size=4"]
+
+
+def _tiny(*extra):
+    return apply_overrides(get_experiment_preset("tiny"), SHAPES + list(extra))
+
+
+@pytest.mark.parametrize("remat,precision", [("none", "bf16"), ("selective", "fp8"),
+                                              ("full", "bf16")])
+def test_budget_within_10_percent_of_xla(remat, precision):
+    cfg = _tiny(f"train.remat={remat}", f"train.precision={precision}")
+    budget = budget_model.estimate(cfg)
+    peak, _ = budget_model.compiled_peak(cfg)
+    assert abs(budget.device_total / peak - 1) < 0.10, budget.table()
+
+
+@pytest.fixture
+def no_workspace_compile(monkeypatch):
+    """Tests of the other terms skip the reduced-depth compile (validated above)."""
+    monkeypatch.setattr(budget_model, "workspace_bytes", lambda cfg, micro_batch: 0)
+
+
+def test_static_terms_are_the_sharded_state(no_workspace_compile):
+    """ZeRO-3 over data=2 halves every data-split leaf; experts split 4 ways over expert."""
+    cfg = _tiny("train.batch_size=8", "train.ema_decay=0.9")
+    one = budget_model.estimate(cfg, MeshSpec())
+    split = budget_model.estimate(cfg, MeshSpec(data=2, expert=4), device_memory=2**40)
+    params = lambda b: b.term("parameters").bytes  # noqa: E731
+    m = cfg.model
+    experts = 3 * m.num_moe_layers * m.n_routed_experts * m.hidden_size \
+        * m.moe_intermediate_size * 4
+    # Expert weights: / (data 2 x expert 4); everything else (matrices over `embed`) / 2,
+    # except vectors and the biases, which stay whole: so between 1/8 and 1/2 of the total.
+    assert params(one) / 8 < params(split) < params(one) / 2
+    assert params(one) - params(split) > experts * (1 - 1 / 8) - 1
+    assert split.term("gradients").bytes < params(split)  # router biases have no gradient
+    assert split.term("EMA").bytes == split.term("gradients").bytes  # sharded like them
+    assert not split.term("EMA").on_device  # pinned_host exists on XLA:CPU
+    tokens = (8 // 8) * 32
+    copies = tokens * m.num_experts_per_tok
+    assert split.term("expert exchange buffers").bytes == 2 * 4 * copies * (m.hidden_size * 4 + 4)
+    assert split.term("ZeRO-3 gathered layer").bytes > 0
+    assert one.term("expert exchange buffers").bytes == 0
+    assert split.fits
+
+
+def test_parse_bytes():
+    assert budget_model.parse_bytes("80GB") == 80 * 2**30
+    assert budget_model.parse_bytes("1.5 TiB") == int(1.5 * 2**40)
+    assert budget_model.parse_bytes("4096") == 4096
+    with pytest.raises(ConfigError, match="--device-memory='80 parsecs'"):
+        budget_model.parse_bytes("80 parsecs")
+
+
+def test_cli_verdict_and_largest_term(capsys, no_workspace_compile):
+    args = ["--preset", "tiny"] + [a for s in SHAPES for a in ("--set", s)]
+    assert budget_cli(args + ["--device-memory", "1MB"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT in 0.00 GiB" in out and "largest term:" in out
+    assert budget_cli(["--mesh", "data=3", "--preset", "tiny"]) == 2  # 16 % 3
+
+
+def test_trainer_fails_before_compiling_when_the_step_cannot_fit(monkeypatch, tmp_path,
+                                                                   no_workspace_compile):
+    from moejax.train import loop
+
+    compiled = []
+    monkeypatch.setattr(budget_model, "device_memory_limit", lambda device: 2**20)
+    monkeypatch.setattr(loop, "make_train_step", lambda *a, **k: compiled.append(1))
+    cfg = _tiny("train.steps=2", "train.warmup_steps=1")
+    trainer = loop.Trainer(cfg, tmp_path, resume=False, log=lambda _: None)
+    with pytest.raises(ConfigError, match=r"largest term is .* GiB\)") as err:
+        trainer.run()
+    assert "DOES NOT FIT" in str(err.value) and not compiled

@@ -1,0 +1,142 @@
+"""The pipeline executor against the whole-batch step: same loss, gradients and counts.
+
+Oracle: ``jax.value_and_grad`` of the unpipelined model on one device (float32), on random
+tokens and random router biases. The executor runs every schedule on P=2 and P=4 pipe
+ranks with a data or expert axis alongside (8 simulated devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import pipeline_study
+from moejax.config import ConfigError, get_model_preset
+from moejax.model import DeepseekV3, RouterBias
+from moejax.parallel.mesh import MeshSpec, build_mesh
+from moejax.parallel.pipeline import SCHEDULES, build
+from moejax.parallel.pipeline.executor import PipelineExecutor, tick_tables
+from moejax.parallel.pipeline.stages import StagePlan
+from moejax.parallel.sharding import batch_sharding, state_shardings
+from moejax.train.step import losses
+
+MTP_LAMBDA = 0.3
+BATCH, SEQ = 16, 8
+# Every schedule on P=2 and P=4, each with data and/or expert axes alongside.
+CASES = [(name, MeshSpec(pipe=2, data=2, expert=2)) for name in SCHEDULES] + [
+    ("gpipe", MeshSpec(pipe=4, data=2)), ("1f1b", MeshSpec(pipe=4, expert=2)),
+    ("dualpipe", MeshSpec(pipe=4, expert=2)), ("dualpipev", MeshSpec(pipe=4, data=2))]
+
+def _config():
+    return dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=8)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    """Model split into (graph, params, random biases), random tokens, the reference."""
+    config = _config()
+    graphdef, params, biases = nnx.split(
+        DeepseekV3(config, rngs=nnx.Rngs(0), dtype=jnp.float32), nnx.Param, RouterBias)
+    biases = jax.tree.map(
+        lambda b: 0.05 * jax.random.normal(jax.random.key(1), b.shape, b.dtype), biases)
+    tokens = jax.random.randint(jax.random.key(2), (BATCH, SEQ + 1), 0, config.vocab_size)
+
+    def loss_fn(params):
+        out = nnx.merge(graphdef, params, biases).forward(tokens[:, :-1])
+        main, mtp = losses(out, tokens[:, 1:])
+        return main + MTP_LAMBDA * mtp + out.aux_loss, (main, mtp, out.aux_loss,
+                                                        out.expert_counts)
+
+    (total, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+    return config, graphdef, params, biases, tokens, (total, *aux), grads
+
+
+def _max_relative_error(expected, actual) -> float:
+    errors = jax.tree.map(
+        lambda e, a: float(jnp.max(jnp.abs(e - a)) / (jnp.max(jnp.abs(e)) + 1e-12)),
+        expected, actual)
+    return max(jax.tree.leaves(errors))
+
+
+@pytest.mark.parametrize("name,spec", CASES, ids=[f"{n}-{m}" for n, m in CASES])
+def test_executor_matches_whole_batch_step(problem, name, spec):
+    config, graphdef, params, biases, tokens, (total, main, mtp, aux, counts), grads = problem
+    executor = PipelineExecutor(build(name, spec.pipe, 2 * spec.pipe), graphdef, config,
+                                jnp.float32, MTP_LAMBDA)
+    mesh = build_mesh(spec)
+    with jax.set_mesh(mesh):  # placed as in training: ZeRO-3 params, batch over data x expert
+        result = jax.jit(executor.step)(jax.device_put(params, state_shardings(params, mesh)),
+                                        biases, jax.device_put(tokens, batch_sharding(mesh)))
+    np.testing.assert_allclose(result.total, total, rtol=2e-6)
+    np.testing.assert_allclose(result.main, main, rtol=2e-6)
+    np.testing.assert_allclose(result.mtp, mtp, rtol=2e-6)
+    np.testing.assert_allclose(result.aux, aux, rtol=1e-5)
+    np.testing.assert_array_equal(result.counts, counts)
+    assert _max_relative_error(grads, result.grads) < 1e-4
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("ranks,microbatches", [(2, 4), (4, 8), (4, 10), (8, 16)])
+def test_tables_deliver_every_input_before_its_use(name, ranks, microbatches):
+    """Replays the tables with tags instead of tensors: every F reads the activation the
+    previous stage made for the same micro-batch, every B the gradient of the next stage,
+    and every chunk of the schedule runs exactly once."""
+    schedule = build(name, ranks, microbatches)
+    tables = tick_tables(schedule)
+    last = schedule.num_stages - 1
+    acts: dict = {}
+    grads: dict = {}
+    ran = []
+    for t in range(len(tables["f"])):
+        f_out, b_out = [None] * ranks, [None] * ranks
+        for r in range(ranks):
+            on, stage, slot, mb = tables["f"][t, r]
+            if on:
+                if stage > 0:
+                    assert acts.pop((r, slot, mb)) == ("act", stage, mb)
+                f_out[r] = ("act", stage + 1, mb) if stage < last else None
+                ran.append(("F", stage, mb))
+            on, stage, slot, mb = tables["b"][t, r]
+            if on:
+                if stage < last:
+                    assert grads.pop((r, slot, mb)) == ("grad", stage, mb)
+                b_out[r] = ("grad", stage - 1, mb) if stage > 0 else None
+                ran.append(("B", stage, mb))
+        for store, outs, kind in ((acts, f_out, "act"), (grads, b_out, "grad")):
+            for r in range(ranks):
+                for source, src in (("left", r - 1), ("right", r + 1), ("local", r)):
+                    on, slot, mb = tables[f"{kind}_{source}"][t, r]
+                    if on:
+                        assert outs[src] is not None and outs[src][2] == mb
+                        store[(r, slot, mb)] = outs[src]
+    assert not acts and not grads
+    expected = [(k, s, mb) for k in "FB" for s in range(schedule.num_stages)
+                for mb in range(microbatches)]
+    assert sorted(ran) == sorted(expected)
+
+
+def test_stage_plan_splits_layers_contiguously_and_rejects_too_many_stages():
+    config = dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=7)
+    plan = StagePlan.split(config, 3)
+    assert plan.layers == ((0, 3), (3, 5), (5, 7))
+    assert plan.shape(0) == (True, False, 1, 2) and plan.offsets(1) == (1, 2)
+    assert plan.shape(2) == (False, True, 0, 2)
+    with pytest.raises(ConfigError, match=r"model.num_hidden_layers=7.*8 pipeline stages"):
+        StagePlan.split(config, 8)
+
+
+def test_study_measures_the_executor(capsys):
+    """--measure fills the measured column from the executor's per-tick timings."""
+    pipeline_study.main(["--ranks", "2", "--microbatches", "4", "--measure", "--schedules",
+                         "1f1b", "--layers", "2", "--batch", "4", "--seq", "4",
+                         "--repeats", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    measured = [line for line in lines if line.startswith("1f1b ")]
+    assert len(measured) == 2  # the executor's table and the study's table
+    assert "%" in measured[0].split()[4] and "pending" not in measured[1]
+    assert "not run" in next(line for line in lines if line.startswith("gpipe "))

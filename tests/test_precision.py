@@ -1,0 +1,264 @@
+"""The FP8 recipe on CPU (reference quantization path): numerics, storage, and training.
+
+References are float64 on the unquantized inputs (what FP8 approximates) or on the
+hand-quantized operands (what the FP8 path must compute exactly, up to FP32 accumulation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments.precision_study import largest_batch
+from moejax.config import ConfigError
+from moejax.model import DeepseekV3
+from moejax.model.layers import DenseMLP, Linear
+from moejax.precision import (Precision, grouped_linear, grouped_swiglu_linear, linear,
+                              swiglu_linear)
+from moejax.train.checkpoint import RESUMABLE_CHANGES
+from moejax.train.config import TRAIN_PRESETS, apply_overrides
+from moejax.train.step import make_train_step, state_initializer
+from pallas_kernels import fp8_linear
+from pallas_kernels.quantize import TILE, dequantize, quantize_1x128, quantize_128x128
+
+FP8_GRAD_TOL = 0.06  # norm-wise relative error of one E4M3 GEMM (two rounded operands)
+FP8_CHAIN_TOL = 0.1  # two FP8 GEMMs in series (an MLP's up and down projections)
+E4M3_HALF_ULP = 2.0 ** -4  # relative rounding error of a normal E4M3 value (3 mantissa bits)
+E4M3_MIN_SUBNORMAL = 2.0 ** -9
+SIZES = np.array([0, 1, 127, 131, 37], np.int32)  # uneven groups, one empty; sums to 296
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _rel(got, ref: np.ndarray) -> float:
+    got = _f64(got)
+    assert np.all(np.isfinite(got))
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def _swiglu_mlp64(x, w1, w2, w3, dy):
+    """float64 y = swiglu(x w1, x w2) w3 and the gradients of sum(y * dy) for x, w1, w2, w3."""
+    g, u = x @ w1, x @ w2
+    sig = 1 / (1 + np.exp(-g))
+    s = g * sig * u
+    ds = dy @ w3.T
+    dg, du = ds * u * sig * (1 + g * (1 - sig)), ds * g * sig
+    return s @ w3, (dg @ w1.T + du @ w2.T, x.T @ dg, x.T @ du, s.T @ dy)
+
+
+@pytest.fixture()
+def rng(request) -> np.random.Generator:
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+def test_fp8_linear_and_swiglu_linear_grads_vs_float64(rng):
+    m, k, i, n = 96, 256, 320, 192  # i is not a multiple of 128: padded tiles
+    x = jnp.asarray(rng.standard_normal((3, m // 3, k)), jnp.bfloat16)
+    w = [jnp.asarray(rng.standard_normal(shape) / 16, jnp.float32)
+         for shape in ((k, i), (k, i), (i, n))]
+    dy = rng.standard_normal((3, m // 3, n))
+
+    def mlp(x, w1, w2, w3):
+        dtype = jnp.bfloat16
+        gate, up = linear(x, w1, Precision.FP8, dtype), linear(x, w2, Precision.FP8, dtype)
+        y = swiglu_linear(gate, up, w3, Precision.FP8, dtype)
+        return jnp.sum(y.astype(jnp.float32) * jnp.asarray(dy, jnp.float32)), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(mlp, argnums=(0, 1, 2, 3), has_aux=True))(x, *w)
+    assert y.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
+    assert all(g.dtype == jnp.float32 for g in grads[1:])  # FP32 weight gradients
+
+    y64, refs = _swiglu_mlp64(_f64(x).reshape(m, k), *map(_f64, w), dy.reshape(m, n))
+    assert _rel(y.reshape(m, n), y64) < FP8_CHAIN_TOL
+    for got, ref in zip(grads, refs):
+        assert _rel(got.reshape(ref.shape), ref) < FP8_CHAIN_TOL
+
+
+def test_fp8_grouped_linear_grads_vs_float64(rng):
+    m, k, i, n = 320, 128, 192, 256
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = [jnp.asarray(rng.standard_normal((len(SIZES), a, b)) / 12, jnp.float32)
+         for a, b in ((k, i), (k, i), (i, n))]
+    dy = rng.standard_normal((m, n))
+    sizes = jnp.asarray(SIZES)
+
+    def experts(x, w1, w2, w3):
+        gate = grouped_linear(x, w1, sizes, Precision.FP8)
+        up = grouped_linear(x, w2, sizes, Precision.FP8)
+        y = grouped_swiglu_linear(gate, up, w3, sizes, Precision.FP8)
+        return jnp.sum(y.astype(jnp.float32) * jnp.asarray(dy, jnp.float32)), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(experts, argnums=(0, 1, 2, 3), has_aux=True))(
+        x, *w)
+    x64, w64 = _f64(x), [_f64(a) for a in w]
+    y64, refs = np.zeros((m, n)), [np.zeros(x64.shape)] + [np.zeros(a.shape) for a in w64]
+    start = 0
+    for g, rows in enumerate(SIZES):
+        part = slice(start, start + rows)
+        y64[part], (dx, *dws) = _swiglu_mlp64(x64[part], *(a[g] for a in w64), dy[part])
+        refs[0][part] = dx
+        for ref, dw in zip(refs[1:], dws):
+            ref[g] = dw
+        start += rows
+    assert _rel(y, y64) < FP8_CHAIN_TOL
+    assert np.all(_f64(y)[start:] == 0) and np.all(_f64(grads[0])[start:] == 0)  # padding rows
+    for got, ref in zip(grads, refs):
+        assert _rel(got, ref) < FP8_CHAIN_TOL
+
+
+def _hard_tiles(rng) -> np.ndarray:
+    """Four 1x128 tiles per row: an outlier 1e4x its neighbours, tiny values (1e-30),
+    all-equal values, all zeros."""
+    rows = 16
+    base = rng.standard_normal((rows, TILE))
+    outlier = base.copy()
+    outlier[:, 7] = 1e4 * np.abs(base).max(axis=1)
+    tiny = base * 1e-30
+    equal = np.full((rows, TILE), -3.25)
+    return np.concatenate([outlier, tiny, equal, np.zeros((rows, TILE))], axis=1)
+
+
+def _assert_within_e4m3(deq: np.ndarray, x: np.ndarray, scale: np.ndarray) -> None:
+    """|error| <= half an ulp of a normal E4M3 value, or half the smallest subnormal step."""
+    assert np.all(np.isfinite(deq))
+    bound = E4M3_HALF_ULP * np.abs(x) + scale * E4M3_MIN_SUBNORMAL / 2
+    assert np.all(np.abs(deq - x) <= bound * (1 + 1e-6))
+
+
+def test_online_scaling_never_overflows(rng):
+    x = _hard_tiles(rng).astype(np.float32)
+    q, s = quantize_1x128(jnp.asarray(x))
+    scale = np.repeat(_f64(s), TILE, axis=1)
+    _assert_within_e4m3(_f64(dequantize(q, s, 1)), x.astype(np.float64), scale)
+    assert np.all(_f64(dequantize(q, s, 1))[:, 3 * TILE:] == 0)  # zero tile stays exactly 0
+    equal = _f64(dequantize(q, s, 1))[:, 2 * TILE:3 * TILE]
+    np.testing.assert_allclose(equal, -3.25, rtol=1e-6)  # the tile max maps onto 448 exactly
+
+    w = np.concatenate([x[:, :2 * TILE]] * 8, axis=0)[:TILE]  # (128, 256) weight blocks
+    wq, ws = quantize_128x128(jnp.asarray(w))
+    _assert_within_e4m3(_f64(dequantize(wq, ws, TILE)), w.astype(np.float64),
+                        np.kron(_f64(ws), np.ones((TILE, TILE))))
+
+    # Through all three GEMMs: finite, and within FP8 error where the reference is not tiny.
+    xs = jnp.asarray(x[:, :2 * TILE] * rng.uniform(0.5, 2, (16, 1)), jnp.float32)
+    wt = jnp.asarray(rng.standard_normal((64, 2 * TILE)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+    y, vjp = jax.vjp(fp8_linear, xs, wt)
+    dx, dw = vjp(dy)
+    x64, w64, dy64 = _f64(xs), _f64(wt), _f64(dy)
+    for got, ref in ((y, x64 @ w64.T), (dx, dy64 @ w64), (dw, dy64.T @ x64)):
+        assert _rel(got, ref) < FP8_GRAD_TOL
+
+
+def _residual_bytes(fn, *args) -> int:
+    """Bytes that ``fn``'s backward keeps, leaving out its inputs (weights stay live anyway)."""
+    inputs = {id(a) for a in jax.tree.leaves(args)}
+    residuals = jax.tree.leaves(jax.vjp(fn, *args)[1])
+    return sum(r.size * r.dtype.itemsize for r in residuals
+               if hasattr(r, "dtype") and id(r) not in inputs)
+
+
+def test_fp8_activation_storage_keeps_fp8_copies():
+    hidden, inner, tokens = 256, 512, 256
+    kw = dict(rngs=nnx.Rngs(1), dtype=jnp.bfloat16, param_dtype=jnp.float32, std=0.02)
+    x = jax.random.normal(jax.random.key(2), (tokens, hidden), jnp.bfloat16)
+    saved = {}
+    for p in Precision:
+        graphdef, params = nnx.split(DenseMLP(hidden, inner, precision=p, **kw))
+        saved[p] = _residual_bytes(lambda prm, x: nnx.merge(graphdef, prm)(x), params, x)
+    # BF16 keeps x (BF16), gate and up (FP32 inside the SwiGLU), its output (BF16), and a
+    # BF16 cast of each weight. FP8 keeps x, gate and up as E4M3 (+1 scale per 128) and
+    # FP8 weights; the SwiGLU output is recomputed.
+    # Outside jit each of gate and up keeps its own FP8 copy of x (XLA's CSE merges them).
+    weights = 3 * hidden * inner
+    fp8_expected = (2 * tokens * hidden + 2 * tokens * inner) * (1 + 4 / TILE) + weights
+    assert saved[Precision.FP8] <= 1.05 * fp8_expected
+    assert saved[Precision.BF16] >= 2 * tokens * hidden + 4 * tokens * inner * 2
+    assert saved[Precision.FP8] < 0.4 * saved[Precision.BF16]
+
+
+TINY = TRAIN_PRESETS["tiny"]
+# The tiny preset cut to one dense and one MoE block (compile time on 2 CPU cores).
+SHORT = TINY.model.replace(num_hidden_layers=2)
+
+
+def test_model_routes_the_named_linears_through_fp8():
+    def build(precision):
+        return DeepseekV3(SHORT, rngs=nnx.Rngs(params=jax.random.key(0)), dtype=jnp.float32,
+                          precision=precision)
+
+    model = build(Precision.FP8)
+    linears = {"/".join(map(str, path)): node.precision
+               for path, node in nnx.iter_graph(model) if isinstance(node, Linear)}
+    kept = {name for name, p in linears.items() if p is Precision.BF16}
+    assert kept == {"lm_head", "mtp/0/eh_proj"}  # the head and MTP input projection
+    assert any("self_attn/kv_b_proj" in n for n in linears)
+    assert any("shared_experts/down_proj" in n for n in linears)
+    assert model.moe_blocks.mlp.precision is Precision.FP8  # routed experts
+
+    ids = jax.random.randint(jax.random.key(3), (2, 24), 0, SHORT.vocab_size)
+    fp8, full = (jax.jit(lambda m: m(ids))(m) for m in (model, build(Precision.BF16)))
+    diff = _rel(fp8, _f64(full))
+    assert 1e-4 < diff < 0.15, diff  # up to 3 FP8 GEMMs in series per block, routing flips
+
+    # One FP8 layer against hand quantization of both operands (FP64 on the FP8 values).
+    layer = Linear(256, 192, rngs=nnx.Rngs(4), dtype=jnp.float32, param_dtype=jnp.float32,
+                   std=0.02, precision=Precision.FP8)
+    x = jax.random.normal(jax.random.key(5), (2, 40, 256), jnp.float32)
+    xq64 = _f64(dequantize(*quantize_1x128(x.reshape(80, 256)), 1))
+    wq64 = _f64(dequantize(*quantize_128x128(layer.kernel[...].T), TILE))
+    hand = (xq64 @ wq64.T).reshape(2, 40, 192)
+    np.testing.assert_allclose(_f64(layer(x)), hand, rtol=1e-5, atol=1e-6)
+
+
+def test_tiny_fp8_run_tracks_bf16_loss():
+    """Same seed and data (one batch, memorised), 24 steps: FP8 within 1% of BF16 at the end."""
+    steps = 24
+    cfg = dataclasses.replace(TINY, model=SHORT.replace(num_nextn_predict_layers=0),
+                              train=dataclasses.replace(TINY.train, steps=steps, batch_size=2,
+                                                        seq_len=32, warmup_steps=4))
+    tokens = jax.random.randint(jax.random.key(7), (2, 33), 0, SHORT.vocab_size)
+    curves, first = {}, None
+    for precision in ("bf16", "fp8"):
+        run = apply_overrides(cfg, [f"train.precision={precision}"])
+        graphdef, init = state_initializer(run)
+        first = first or jax.jit(init)(run.train.seed)  # the same state: precision keeps none
+        state, step = jax.tree.map(jnp.copy, first), make_train_step(graphdef, run)
+        losses = []
+        for _ in range(steps):
+            state, metrics = step(state, tokens)
+            losses.append(float(metrics["loss"]))
+        curves[precision] = np.array(losses)
+    bf16, fp8 = curves["bf16"], curves["fp8"]
+    assert bf16[-1] < 0.7 * bf16[0], bf16  # it learns
+    late = slice(steps - 4, None)
+    rel = np.abs(fp8[late] - bf16[late]) / bf16[late]
+    assert rel.max() < 0.01, (rel, bf16, fp8)
+    assert np.any(fp8 != bf16)  # really a different path
+
+
+def test_precision_setting_is_validated_and_resumable():
+    assert apply_overrides(TINY, ["train.precision=fp8"]).train.precision == "fp8"
+    with pytest.raises(ConfigError, match="train.precision='fp16'.*bf16.*fp8"):
+        apply_overrides(TINY, ["train.precision=fp16"])
+    assert "train.precision" in RESUMABLE_CHANGES
+
+
+@pytest.mark.parametrize("curvature", [0.0, 0.03])
+def test_largest_batch_search_is_exact_and_cheap(curvature):
+    """The study's fit search against every batch tried by brute force."""
+    def memory(batch: int) -> int:
+        return int(5000 + 300 * batch + curvature * batch**2)
+
+    for limit in (4000, 5300, 5301, 123_457, 900_000):
+        compiles = []
+        got = largest_batch(lambda b: compiles.append(b) or memory(b), limit)
+        assert got == max((b for b in range(1, 4097) if memory(b) <= limit), default=0)
+        assert len(compiles) <= (4 if curvature == 0 else 26)

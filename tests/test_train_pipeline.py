@@ -1,0 +1,62 @@
+"""``experiments.train --mesh pipe=4,data=2 --schedule S`` logs the losses of ``--mesh
+data=1``, and a checkpoint written under one schedule resumes under another.
+
+Oracle: the same CLI on one device (the whole-batch step), same seed and data order.
+Three steps at most per run, 8 layers (DualPipeV on 4 ranks needs 8 stages).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import train
+
+COMMON = ["--preset", "tiny", "--set", "model.num_hidden_layers=8", "--set", "train.seq_len=16",
+          "--set", "train.batch_size=16", "--set", "train.warmup_steps=0",
+          "--set", "train.schedule_steps=3",  # the same LR per step whatever --steps says
+          "--set", "train.eval_every=0", "--set", "checkpoint.every=2",
+          "--set", "checkpoint.async_save=false"]
+
+
+def _losses(run_dir) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def _train(run_dir, *args: str) -> dict[int, float]:
+    assert train.main([*COMMON, "--run-dir", str(run_dir), *args]) == 0
+    return _losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    return _train(tmp_path_factory.mktemp("one_device"), "--mesh", "data=1", "--steps", "3")
+
+
+def _assert_same(got: dict[int, float], want: dict[int, float]) -> None:
+    assert got and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in got), (got, want)
+
+
+def test_dualpipe_then_resumed_as_1f1b_logs_the_one_device_losses(reference, tmp_path):
+    """DualPipe for two steps, then the run continues under 1F1B from its checkpoint."""
+    _assert_same(_train(tmp_path, "--mesh", "pipe=4,data=2", "--schedule", "dualpipe",
+                        "--steps", "2"), reference)
+    resumed = _train(tmp_path, "--mesh", "pipe=4,data=2", "--schedule", "1f1b", "--steps", "3",
+                     "--resume")
+    assert set(resumed) == {1, 2, 3}
+    _assert_same(resumed, reference)
+
+
+def test_dualpipev_logs_the_one_device_losses(reference, tmp_path):
+    _assert_same(_train(tmp_path, "--mesh", "pipe=4,data=2", "--schedule", "dualpipev",
+                        "--microbatches", "8", "--steps", "2"), reference)
+
+
+def test_bad_pipeline_layout_is_rejected_before_any_work(tmp_path, capsys):
+    assert train.main([*COMMON, "--run-dir", str(tmp_path), "--mesh", "pipe=4,data=2",
+                       "--schedule", "dualpipev", "--microbatches", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "train.microbatches=4" in err and "M >= 2P = 8" in err
+    assert not (tmp_path / "checkpoints").exists()
