@@ -217,7 +217,10 @@ def _combine_bwd_kernel(perm_ref, w_ref, g_ref, y_ref, dy_ref, dw_ref, *, k, n_r
         return dots + jnp.sum(g * v, axis=1)
 
     dots = jax.lax.fori_loop(0, cdiv(h, bh), step, jnp.zeros((bm,), jnp.float32))
-    pltriton.store(dw_ref.at[copy], dots, mask=row_in)
+    # Stored in sorted order (a contiguous block); the caller un-permutes the T*k scalars.
+    # A scatter here would let masked lanes (index 0) race the real writer of copy 0 in
+    # interpret mode, which emulates masked stores by read-modify-write.
+    pltriton.store(dw_ref.at[rows], dots, mask=row_in)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -230,7 +233,9 @@ def combine_backward(g, y, permutation, weights, *, cfg=None, interpret=False, o
             _out_shape((n_rows,), jnp.float32, g, y, permutation, weights))
     kernel = functools.partial(_combine_bwd_kernel, k=k, n_rows=n_rows, h=h, cfg=cfg)
     grid = (cdiv(n_rows, cfg.block_rows),)
-    dy, dw = _call("combine_backward", kernel, operands, outs, grid, cfg, interpret, out_init)
+    dy, dw_sorted = _call("combine_backward", kernel, operands, outs, grid, cfg, interpret,
+                          out_init)
+    dw = jnp.zeros_like(dw_sorted).at[permutation].set(dw_sorted)
     return dy, dw.reshape(tokens, k).astype(weights.dtype)
 
 
