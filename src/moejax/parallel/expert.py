@@ -237,33 +237,35 @@ def _unpack_fp8(packed: jax.Array, hidden: int, dtype: jnp.dtype) -> jax.Array:
     return pallas_kernels.dequantize(tokens, scales, 1).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch_fp8(transport: Transport, num_experts: int, x: jax.Array,
-                  expert_ids: jax.Array) -> tuple[Received, jax.Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _dispatch_fp8(transport: Transport, num_experts: int, num_experts_per_token: int,
+                  x: jax.Array, expert_ids: jax.Array) -> tuple[Received, jax.Array]:
     """Sort + FP8-quantize (one fused pass), exchange the bytes, dequantize on arrival.
 
     Returns what arrived, in ``x``'s dtype, and the sender's sort permutation. The
     backward treats quantization as identity (straight-through) and sends the gradient
     back in ``x``'s dtype, as DeepSeek-V3's combine-side communication does.
     """
-    return _dispatch_fp8_fwd(transport, num_experts, x, expert_ids)[0]
+    return _dispatch_fp8_fwd(transport, num_experts, num_experts_per_token, x, expert_ids)[0]
 
 
-def _dispatch_fp8_fwd(transport, num_experts, x, expert_ids):
+def _dispatch_fp8_fwd(transport, num_experts, num_experts_per_token, x, expert_ids):
+    del num_experts_per_token  # expert_ids (T, k) carries it; the backward needs it static
     sent = pallas_kernels.dispatch(x, expert_ids, num_experts, quantize=True)
     sorted_ids = expert_ids.reshape(-1)[sent.permutation]
     received = transport.send(_pack_fp8(sent.tokens, sent.scales), sorted_ids, sent.group_sizes)
     tokens = _unpack_fp8(received.tokens, x.shape[1], x.dtype)
     return ((received._replace(tokens=tokens), sent.permutation),
-            (received.context, sent.permutation, jnp.zeros(expert_ids.shape, jnp.bool_)))
+            (received.context, sent.permutation))
 
 
-def _dispatch_fp8_bwd(transport, num_experts, residuals, cotangents):
+def _dispatch_fp8_bwd(transport, num_experts, num_experts_per_token, residuals, cotangents):
     del num_experts
-    context, permutation, ids_shape = residuals
+    context, permutation = residuals
     rows = transport.send_back(cotangents[0].tokens, context)
     # the sorted rows' gradient summed back onto their token: an unweighted combine
-    return combine(rows, permutation, jnp.ones(ids_shape.shape, jnp.float32)), None
+    k = num_experts_per_token
+    return combine(rows, permutation, jnp.ones((rows.shape[0] // k, k), jnp.float32)), None
 
 
 _dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
@@ -310,7 +312,7 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
             1, math.ceil(options.capacity_factor * num_rows / ep))
         transport = _Padded(capacity, ep)
     if options.token_format == "fp8":
-        received, order = _dispatch_fp8(transport, experts, flat, routing.experts)
+        received, order = _dispatch_fp8(transport, experts, k, flat, routing.experts)
     else:
         sent = dispatch(flat, routing.experts, experts)
         order = sent.order
