@@ -11,9 +11,11 @@ per-chunk costs; the "paper" column evaluates the DualPipe paper's formula with 
 costs. With ``--measure`` the executor runs each schedule on the devices present (CPU: 8
 simulated devices) and the "measured" column is the worst rank's share of per-tick wall
 time spent in ticks where it runs no F or B; a second table gives the whole jitted step's
-median time. ``--fb-pair`` times one F&B pair of two micro-batches interleaved against the
-same chunks run one after the other; with ``--profile`` the exposed communication comes
-from the trace.
+median time. ``--fb-pair`` times one F&B pair of two micro-batches through the model's MoE
+blocks, the forward of one interleaved piece by piece with the backward of the other
+(``moejax.parallel.pipeline.fb_pair``), against the same pieces run one chunk after the
+other; with ``--profile`` the exposed communication comes from the trace. It turns on
+XLA:GPU's latency-hiding scheduler unless XLA_FLAGS already sets it.
 """
 
 from __future__ import annotations
@@ -111,8 +113,17 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
     return bubbles
 
 
+def _use_latency_hiding_scheduler() -> None:
+    """XLA:GPU's latency-hiding scheduler places async all_to_alls under independent
+    compute, which the F&B pair provides (must run before jax initialises; XLA:CPU ignores
+    it)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_latency_hiding_scheduler" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_latency_hiding_scheduler=true"
+
+
 def _fb_pair(args: argparse.Namespace) -> None:
-    # jax starts here, after _use_simulated_devices
+    # jax starts here, after _use_simulated_devices and _use_latency_hiding_scheduler
     from moejax.parallel.mesh import MeshSpec
     from moejax.parallel.pipeline.measure import fb_pair, make_problem
 
@@ -122,8 +133,9 @@ def _fb_pair(args: argparse.Namespace) -> None:
     problem = make_problem(args.preset, args.layers or 4, 2 * args.batch, args.seq, args.dtype)
     r = fb_pair(problem, mesh, args.repeats, pathlib.Path(args.profile) if args.profile
                 else None)
-    print(f"F&B pair on {mesh} ({args.preset}, {problem.config.num_hidden_layers} layers, two "
-          f"micro-batches of {args.batch} x {args.seq}, {args.dtype})")
+    print(f"F&B pair on {mesh} ({args.preset}, forward and backward of "
+          f"{problem.config.num_moe_layers} MoE block(s), two micro-batches of {args.batch} x "
+          f"{args.seq}, {args.dtype})")
     print(f"interleaved pair {r.pair_s * 1e3:.2f} ms; sequential chunks "
           f"{r.sequential_s * 1e3:.2f} ms; pair speed-up {r.sequential_s / r.pair_s:.3f}x")
     if r.exposed_comm_ms is not None:
@@ -163,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.measure or args.fb_pair:
         _use_simulated_devices(8)
     if args.fb_pair:
+        _use_latency_hiding_scheduler()
         _fb_pair(args)
         return
     measured = _measure(args) if args.measure else None

@@ -2,7 +2,8 @@
 data=1``, and a checkpoint written under one schedule resumes under another.
 
 Oracle: the same CLI on one device (the whole-batch step), same seed and data order.
-Three steps at most per run, 8 layers (DualPipeV on 4 ranks needs 8 stages).
+One chain of three runs, one step each (every run compiles its schedule's step and saves
+a checkpoint, the bulk of the time), 8 layers (DualPipeV on 4 ranks needs 8 stages).
 """
 
 from __future__ import annotations
@@ -39,19 +40,15 @@ def _assert_same(got: dict[int, float], want: dict[int, float]) -> None:
     assert got and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in got), (got, want)
 
 
-def test_dualpipe_then_resumed_as_1f1b_logs_the_one_device_losses(reference, tmp_path):
-    """DualPipe for two steps, then the run continues under 1F1B from its checkpoint."""
-    _assert_same(_train(tmp_path, "--mesh", "pipe=4,data=2", "--schedule", "dualpipe",
-                        "--steps", "2"), reference)
-    resumed = _train(tmp_path, "--mesh", "pipe=4,data=2", "--schedule", "1f1b", "--steps", "3",
-                     "--resume")
+def test_schedules_resume_each_other_and_log_the_one_device_losses(reference, tmp_path):
+    """DualPipe runs step 1, DualPipeV resumes its checkpoint for step 2, 1F1B for step 3."""
+    mesh = ("--mesh", "pipe=4,data=2")
+    _assert_same(_train(tmp_path, *mesh, "--schedule", "dualpipe", "--steps", "1"), reference)
+    _assert_same(_train(tmp_path, *mesh, "--schedule", "dualpipev", "--microbatches", "8",
+                        "--steps", "2", "--resume"), reference)
+    resumed = _train(tmp_path, *mesh, "--schedule", "1f1b", "--steps", "3", "--resume")
     assert set(resumed) == {1, 2, 3}
     _assert_same(resumed, reference)
-
-
-def test_dualpipev_logs_the_one_device_losses(reference, tmp_path):
-    _assert_same(_train(tmp_path, "--mesh", "pipe=4,data=2", "--schedule", "dualpipev",
-                        "--microbatches", "8", "--steps", "2"), reference)
 
 
 def test_bad_pipeline_layout_is_rejected_before_any_work(tmp_path, capsys):

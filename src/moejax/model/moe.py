@@ -19,7 +19,7 @@ from moejax.config import ModelConfig
 from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.layers import DenseMLP
-from moejax.model.routing import RoutingStats, route, sequence_balance_loss
+from moejax.model.routing import RoutingStats, balance_loss, route
 from moejax.parallel import expert as expert_parallel  # module: the two import each other
 from moejax.precision import Precision
 
@@ -40,8 +40,7 @@ def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
     sent = dispatch(flat, routing.experts, config.n_routed_experts)
     y_sorted = run_experts(sent.tokens, sent.group_sizes, weights)
     y = combine(y_sorted, sent.order, routing.weights).reshape(batch, seq, hidden)
-    balance = (sequence_balance_loss(routing.scores, routing.experts, batch, config)
-               if config.aux_loss_alpha else jnp.zeros((), jnp.float32))
+    balance = balance_loss(routing, batch, config)
     no_copies = jnp.zeros((), jnp.int32)
     return MoEOutput(y, RoutingStats(sent.group_sizes, balance, no_copies, no_copies))
 

@@ -73,6 +73,14 @@ def sequence_balance_loss(scores: jax.Array, experts: jax.Array, batch: int,
     return jnp.mean(jnp.sum(f * p, axis=-1))
 
 
+def balance_loss(routing: Routing, batch: int, config: ModelConfig) -> jax.Array:
+    """The layer's unweighted balance loss, or a zero (not computed) when
+    ``aux_loss_alpha`` is 0."""
+    if not config.aux_loss_alpha:
+        return jnp.zeros((), jnp.float32)
+    return sequence_balance_loss(routing.scores, routing.experts, batch, config)
+
+
 def update_router_bias(bias: jax.Array, counts: jax.Array, rate: float) -> jax.Array:
     """Aux-loss-free update: raise the bias of under-loaded experts, lower over-loaded ones.
 

@@ -32,7 +32,7 @@ import pallas_kernels
 from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
-from moejax.model.routing import RoutingStats, route, sequence_balance_loss
+from moejax.model.routing import RoutingStats, balance_loss, route
 
 EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", EXPERT_AXIS)  # mesh axes the token batch is sharded over
@@ -93,15 +93,24 @@ def expert_axis_size() -> int:
     return dict(mesh.shape).get(EXPERT_AXIS, 1) if mesh.axis_names else 1
 
 
-def _varying_over(tree: Any, axes: tuple[str, ...]) -> Any:
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The manual mesh axes ``x`` varies over (inside shard_map)."""
+    aval = jax.typeof(x)
+    return aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
+
+
+def varying_over(tree: Any, axes: tuple[str, ...]) -> Any:
     """Marks arrays replicated over ``axes`` (expert weights, fresh buffers) as varying
     there, so the types match the per-device tokens they meet; autodiff then sums the
-    gradients of such weights over ``axes``."""
-    if not axes:
-        return tree
-    if hasattr(jax.lax, "pcast"):  # jax >= 0.10
-        return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
-    return jax.lax.pvary(tree, axes)
+    gradients of such weights over ``axes``. Axes a leaf already varies over are skipped."""
+    def mark(x: jax.Array) -> jax.Array:
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):  # jax >= 0.10
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)
+    return jax.tree.map(mark, tree)
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
@@ -117,7 +126,36 @@ class Received(NamedTuple):
     dropped: jax.Array  # int32 scalar: copies cut by a capacity limit
 
 
-class _Padded(NamedTuple):
+class Outbound(NamedTuple):
+    """Sender side of a dispatch, laid out for the wire but not yet exchanged."""
+
+    rows: jax.Array  # what the exchange moves
+    labels: jax.Array | None  # local expert id per row, moved with the rows (padded only)
+    context: Any  # sender bookkeeping: padded (index, keep), ragged RaggedPlan
+    dropped: jax.Array  # int32 scalar
+
+
+def _all_to_all(x: jax.Array) -> jax.Array:
+    return jax.lax.all_to_all(x, EXPERT_AXIS, 0, 0, tiled=True)
+
+
+class _Transport:
+    """A dispatch and its return cut at the exchanges: local work before (``prepare``,
+    ``unarrange``) and after (``arrange``, ``finish``) each collective (``exchange``,
+    ``exchange_back``). ``send``/``send_back`` run them in a row; the F&B pair
+    (``moejax.parallel.pipeline.fb_pair``) runs them as separate pieces."""
+
+    def send(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Received:
+        out = self.prepare(rows, experts, counts)
+        return self.arrange(*self.exchange(out.rows, out.labels, out.context), out.context,
+                            out.dropped)
+
+    def send_back(self, y: jax.Array, context: tuple) -> jax.Array:
+        return self.finish(self.exchange_back(self.unarrange(y, context), context), context)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Padded(_Transport):
     """Fixed-capacity all_to_all: row ``dest*C + slot`` of the buffer goes to ``dest``.
 
     Rows arrive source-major with a fixed C per source, so the receiver sorts them by
@@ -126,9 +164,10 @@ class _Padded(NamedTuple):
 
     capacity: int
     ep: int
+    num_local: int  # experts per device
 
-    def send(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Received:
-        num_local = counts.shape[0] // self.ep
+    def prepare(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Outbound:
+        num_local = self.num_local
         dest = experts // num_local
         per_dest = counts.reshape(self.ep, num_local).sum(axis=1)
         slot = jnp.arange(rows.shape[0]) - _exclusive_cumsum(per_dest)[dest]
@@ -138,17 +177,26 @@ class _Padded(NamedTuple):
         buffer = jnp.zeros((size, rows.shape[1]), rows.dtype).at[index].set(rows, mode="drop")
         ids = jnp.full((size,), num_local, jnp.int32).at[index].set(experts % num_local,
                                                                     mode="drop")
-        exchange = lambda a: jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)  # noqa: E731
-        tokens, ids = exchange(buffer), exchange(ids)
-        order = jnp.argsort(ids, stable=True)  # padding (id num_local) sorts last
-        group_sizes = jnp.bincount(ids, length=num_local).astype(jnp.int32)
-        dropped = rows.shape[0] - keep.sum(dtype=jnp.int32)
-        return Received(tokens[order], group_sizes, (order, index, keep), dropped)
+        return Outbound(buffer, ids, (index, keep), rows.shape[0] - keep.sum(dtype=jnp.int32))
 
-    def send_back(self, y: jax.Array, context: tuple) -> jax.Array:
-        order, index, keep = context
-        y = jnp.zeros_like(y).at[order].set(y)
-        back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True)
+    def exchange(self, rows: jax.Array, labels: jax.Array, context: tuple
+                 ) -> tuple[jax.Array, jax.Array]:
+        return _all_to_all(rows), _all_to_all(labels)
+
+    def arrange(self, tokens: jax.Array, ids: jax.Array, context: tuple, dropped: jax.Array
+                ) -> Received:
+        order = jnp.argsort(ids, stable=True)  # padding (id num_local) sorts last
+        group_sizes = jnp.bincount(ids, length=self.num_local).astype(jnp.int32)
+        return Received(tokens[order], group_sizes, (order, *context), dropped)
+
+    def unarrange(self, y: jax.Array, context: tuple) -> jax.Array:
+        return jnp.zeros_like(y).at[context[0]].set(y)
+
+    def exchange_back(self, y: jax.Array, context: tuple) -> jax.Array:
+        return _all_to_all(y)
+
+    def finish(self, back: jax.Array, context: tuple) -> jax.Array:
+        _, index, keep = context
         rows = back[jnp.minimum(index, back.shape[0] - 1)]
         return jnp.where(keep[:, None], rows, jnp.zeros_like(rows))
 
@@ -195,33 +243,59 @@ def ragged_plan(counts: jax.Array, me: jax.Array) -> RaggedPlan:
     )
 
 
-class _Ragged(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _Ragged(_Transport):
     """Exact-size exchange with ragged_all_to_all, landing rows grouped by expert."""
 
     ep: int
     batch_axes: tuple[str, ...]  # the receive buffers vary over these, like the tokens
     num_rows: int  # token copies each device sends (T*k)
 
-    def send(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Received:
-        del experts  # rows are sorted by expert: the counts say where each slice starts
+    def prepare(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Outbound:
+        """Rows are sorted by expert: every device's counts (one small all_gather) say
+        where each slice starts and lands."""
+        del experts
         plan = ragged_plan(jax.lax.all_gather(counts, EXPERT_AXIS),
                            jax.lax.axis_index(EXPERT_AXIS))
-        size = self.ep * self.num_rows  # worst case: every source sends everything to me
-        buffer = _varying_over(jnp.zeros((size, rows.shape[1]), rows.dtype), self.batch_axes)
-        tokens = jax.lax.ragged_all_to_all(rows, buffer, plan.send_offsets, plan.send_sizes,
-                                           plan.land_offsets, plan.recv_sizes,
-                                           axis_name=EXPERT_AXIS)
-        return Received(tokens, plan.group_sizes, plan, jnp.zeros((), jnp.int32))
+        return Outbound(rows, None, plan, jnp.zeros((), jnp.int32))
 
-    def send_back(self, y: jax.Array, plan: RaggedPlan) -> jax.Array:
-        output = _varying_over(jnp.zeros((self.num_rows, y.shape[1]), y.dtype), self.batch_axes)
+    def exchange(self, rows: jax.Array, labels: None, plan: RaggedPlan
+                 ) -> tuple[jax.Array, None]:
+        size = self.ep * self.num_rows  # worst case: every source sends everything to me
+        buffer = varying_over(jnp.zeros((size, rows.shape[1]), rows.dtype), self.batch_axes)
+        return jax.lax.ragged_all_to_all(rows, buffer, plan.send_offsets, plan.send_sizes,
+                                         plan.land_offsets, plan.recv_sizes,
+                                         axis_name=EXPERT_AXIS), None
+
+    def arrange(self, tokens: jax.Array, labels: None, plan: RaggedPlan, dropped: jax.Array
+                ) -> Received:
+        return Received(tokens, plan.group_sizes, plan, dropped)
+
+    def unarrange(self, y: jax.Array, plan: RaggedPlan) -> jax.Array:
+        return y
+
+    def exchange_back(self, y: jax.Array, plan: RaggedPlan) -> jax.Array:
+        output = varying_over(jnp.zeros((self.num_rows, y.shape[1]), y.dtype), self.batch_axes)
         return jax.lax.ragged_all_to_all(y, output, plan.recv_offsets, plan.recv_sizes,
                                          plan.return_offsets, plan.send_sizes,
                                          axis_name=EXPERT_AXIS)
 
+    def finish(self, back: jax.Array, plan: RaggedPlan) -> jax.Array:
+        return back
+
 
 RunExperts = Callable[[jax.Array, jax.Array, ExpertWeights], jax.Array]
 Transport = _Padded | _Ragged
+
+
+def make_transport(options: ExpertParallelOptions, ep: int, batch_axes: tuple[str, ...],
+                   num_rows: int, num_experts: int) -> Transport:
+    """The transport ``options`` ask for, sized for ``num_rows`` token copies per device."""
+    if options.resolved_transport() == "ragged":
+        return _Ragged(ep, batch_axes, num_rows)
+    capacity = num_rows if options.capacity_factor is None else max(
+        1, math.ceil(options.capacity_factor * num_rows / ep))
+    return _Padded(capacity, ep, num_experts // ep)
 
 
 def _pack_fp8(tokens: jax.Array, scales: jax.Array) -> jax.Array:
@@ -304,26 +378,19 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
 
     copies = routing.experts.reshape(-1)
     counts = jnp.bincount(copies, length=experts).astype(jnp.int32)
-    num_rows = flat.shape[0] * k
-    if options.resolved_transport() == "ragged":
-        transport: Transport = _Ragged(ep, batch_axes, num_rows)
-    else:
-        capacity = num_rows if options.capacity_factor is None else max(
-            1, math.ceil(options.capacity_factor * num_rows / ep))
-        transport = _Padded(capacity, ep)
+    transport = make_transport(options, ep, batch_axes, flat.shape[0] * k, experts)
     if options.token_format == "fp8":
         received, order = _dispatch_fp8(transport, experts, k, flat, routing.experts)
     else:
         sent = dispatch(flat, routing.experts, experts)
         order = sent.order
         received = transport.send(sent.tokens, copies[order], sent.group_sizes)
-    weights = _varying_over(weights, tuple(a for a in batch_axes if a != EXPERT_AXIS))
+    weights = varying_over(weights, tuple(a for a in batch_axes if a != EXPERT_AXIS))
     y_rows = transport.send_back(run_experts(received.tokens, received.group_sizes, weights),
                                  received.context)
     y = combine(y_rows, order, routing.weights).reshape(batch, seq, hidden)
 
-    balance = (sequence_balance_loss(routing.scores, routing.experts, batch, config)
-               if config.aux_loss_alpha else jnp.zeros((), jnp.float32))
+    balance = balance_loss(routing, batch, config)
     node = functools.partial(_node_of_expert_position, mesh_shape=mesh_shape,
                              devices_per_node=devices_per_node)
     dest = copies // num_local
@@ -331,6 +398,22 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
     total = functools.partial(jax.lax.psum, axis_name=batch_axes)
     return y, RoutingStats(total(counts), jax.lax.pmean(balance, batch_axes),
                            total(received.dropped), total(cross_node))
+
+
+def expert_layout(config: ModelConfig, batch: int) -> tuple[int, tuple[str, ...]]:
+    """``(ep, batch axes)`` of the mesh being traced under, checked against the model's
+    expert count and the token batch (clear errors before any tracing of the layer)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    ep = dict(mesh.shape)[EXPERT_AXIS]
+    if config.n_routed_experts % ep:
+        raise ConfigError(f"n_routed_experts={config.n_routed_experts}: must be divisible by "
+                          f"the expert mesh axis size {ep}")
+    batch_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    shards = math.prod(dict(mesh.shape)[a] for a in batch_axes)
+    if batch % shards:
+        raise ConfigError(f"batch size {batch}: must be divisible by the {shards} devices "
+                          f"of mesh axes {batch_axes}")
+    return ep, batch_axes
 
 
 def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
@@ -343,15 +426,7 @@ def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
     benchmarks pass an identity to time the token exchange alone.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    ep = dict(mesh.shape)[EXPERT_AXIS]
-    if config.n_routed_experts % ep:
-        raise ConfigError(f"n_routed_experts={config.n_routed_experts}: must be divisible by "
-                          f"the expert mesh axis size {ep}")
-    batch_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-    shards = math.prod(dict(mesh.shape)[a] for a in batch_axes)
-    if x.shape[0] % shards:
-        raise ConfigError(f"batch size {x.shape[0]}: must be divisible by the {shards} devices "
-                          f"of mesh axes {batch_axes}")
+    ep, batch_axes = expert_layout(config, x.shape[0])
     options = current_options()
     body = functools.partial(
         _shard_body, config=config, ep=ep, batch_axes=batch_axes, mesh_shape=dict(mesh.shape),

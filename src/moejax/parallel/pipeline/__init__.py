@@ -3,7 +3,8 @@
 ``build(name, P, M)`` gives per-rank op lists; ``simulate`` turns them into timelines
 (bubbles, in-flight activations); ``timeline.render`` draws them. Pure Python: the
 executor over the ``pipe`` mesh axis (``executor``, on the model cut by ``stages``; not
-imported here, as it needs jax) consumes the same ``Schedule`` objects.
+imported here, as it needs jax) consumes the same ``Schedule`` objects; ``fb_pair``
+interleaves an F&B pair of expert-parallel MoE blocks piece by piece.
 """
 
 from moejax.parallel.pipeline.schedule import (

@@ -32,12 +32,15 @@ W chunks run nothing: a B computes its weight gradients at once, so a W tick is 
 F&B overlap. In an F&B tick the F of one micro-batch and the B of another share no data
 (different buffer entries, different tokens) and sit in one branch of the tick's switch:
 one HLO computation, where the only order XLA must keep is each chain's own. XLA's
-latency-hiding scheduler (GPU: ``--xla_gpu_enable_latency_hiding_scheduler``, on by
-default in recent jaxlib) then issues one chain's ``all_to_all``/``ragged_all_to_all``
-(async start/done pairs) while the other chain's matmuls run. Two separate conditionals
-would not do: a conditional is one instruction to the scheduler, so their bodies could
-never interleave. No explicit split into attention/dispatch/expert/combine pieces is
-written; the data dependencies alone leave XLA free to interleave at that granularity.
+latency-hiding scheduler (GPU: ``--xla_gpu_enable_latency_hiding_scheduler``) may then
+issue one chain's ``all_to_all``/``ragged_all_to_all`` while the other chain's matmuls
+run. Two separate conditionals would not do: a conditional is one instruction to the
+scheduler, so their bodies could never interleave. The tick leaves the interleave to the
+scheduler; the explicit piece-by-piece pairing (attention / dispatch / experts / combine,
+lock-step barriers) is ``fb_pair.run_pair``, on MoE-block stacks, which this executor
+does not call yet: its stages run ``stage_forward`` (embedding, dense blocks, head, MTP
+around the MoE stack) with the MoE layer's own nested shard_map, while ``run_pair`` needs
+the MoE blocks of both chunks inside one shard_map over the batch axes.
 
 Memory: the buffers hold M micro-batches per stage slot (not the schedule's in-flight
 bound) and the parameters are replicated over ``pipe``; both are simplifications.

@@ -7,12 +7,11 @@ measurement of compiled code (compiled and run once before timing), never a mode
   run that waits after every tick, each tick's time. A rank's measured bubble is the time
   of the ticks in which it runs no F or B, over the sum of tick times (lock-step ticks hide
   the imbalance inside a tick, so this is a lower bound of its idle time).
-- :func:`fb_pair`: one F&B pair of two micro-batches on a mesh without ``pipe`` (e.g.
-  ``expert=2``): the F of micro-batch A and the forward+backward of micro-batch B in one
-  program with no data dependence between them, against the same two chunks forced to run
-  one after the other (an ``optimization_barrier`` makes B's input wait for A's loss). With
-  a profile directory, the exposed communication of the pair comes from the trace
-  (``moejax.profiling``).
+- :func:`fb_pair`: one F&B pair of two micro-batches through the model's MoE blocks on a
+  mesh without ``pipe`` (e.g. ``expert=2``): the forward of micro-batch A interleaved
+  piece by piece with the backward of micro-batch B (``fb_pair.run_pair``), against the
+  same pieces run one chunk after the other. With a profile directory, the exposed
+  communication of the pair comes from the trace (``moejax.profiling``).
 """
 
 from __future__ import annotations
@@ -29,9 +28,9 @@ from moejax.config import ModelConfig, get_model_preset
 from moejax.model import DeepseekV3, RouterBias
 from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.parallel.pipeline.executor import PipelineExecutor
+from moejax.parallel.pipeline.fb_pair import Stack, run_pair
 from moejax.parallel.pipeline.schedule import build
 from moejax.profiling import median_seconds, profile
-from moejax.train.step import losses
 
 MTP_LAMBDA = 0.3
 
@@ -85,36 +84,38 @@ def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: 
 
 
 class PairResult(NamedTuple):
-    pair_s: float  # F(A) and F+B(B) in one program, independent
-    sequential_s: float  # the same, B forced to start after A's forward ends
+    pair_s: float  # F(A) interleaved with B(B), piece by piece
+    sequential_s: float  # the same pieces, B's backward after A's forward
     pair_busy_ms: float | None  # device busy time of one pair (from the trace)
     exposed_comm_ms: float | None  # communication under no compute, per pair (trace)
 
 
 def fb_pair(problem: Problem, mesh: MeshSpec, repeats: int = 10,
             profile_dir: pathlib.Path | None = None) -> PairResult:
-    """Times an F&B pair of two micro-batches (halves of ``problem.tokens``) interleaved
-    vs one after the other, on ``mesh`` (no pipe axis: the whole model is one chunk)."""
-    graphdef, biases = problem.graphdef, problem.biases
-    half = problem.tokens.shape[0] // 2
-    tokens_a, tokens_b = problem.tokens[:half], problem.tokens[half:]
+    """Times an F&B pair of the model's MoE blocks on ``mesh`` (no pipe axis): the forward
+    of micro-batch A (first half of ``problem.tokens``) with the backward of micro-batch B
+    (second half; its residuals from its own forward, run beforehand), interleaved piece
+    by piece (``fb_pair.run_pair``) vs one after the other."""
+    config = problem.config
+    model = nnx.merge(problem.graphdef, problem.params, problem.biases)
+    graphdef, blocks = nnx.split(model.moe_blocks)
+    stack = Stack(blocks, model.router_bias[...][:config.num_moe_layers])
+    h = model.embed(problem.tokens[:, :-1])
+    half = h.shape[0] // 2
+    h_a, h_b = h[:half], h[half:]
+    d_h = 1e-3 * jax.random.normal(jax.random.key(0), h_b.shape, h_b.dtype)
+    d_balance = jnp.full((config.num_moe_layers,), config.aux_loss_alpha, jnp.float32)
 
-    def loss(params: nnx.State, tokens: jax.Array) -> jax.Array:
-        out = nnx.merge(graphdef, params, biases).forward(tokens[:, :-1])
-        main, mtp = losses(out, tokens[:, 1:])
-        return main + MTP_LAMBDA * mtp + out.aux_loss
-
-    def pair(params, tokens_a, tokens_b):
-        return loss(params, tokens_a), jax.grad(loss)(params, tokens_b)
-
-    def sequential(params, tokens_a, tokens_b):
-        loss_a = loss(params, tokens_a)
-        loss_a, tokens_b = jax.lax.optimization_barrier((loss_a, tokens_b))
-        return loss_a, jax.grad(loss)(params, tokens_b)
+    def chunks(interleave: bool):
+        return jax.jit(lambda stack, h_a, saved, d_h, d_balance: run_pair(
+            graphdef, config, forward=(stack, h_a), backward=(stack, saved, d_h, d_balance),
+            interleave=interleave))
 
     with jax.set_mesh(build_mesh(mesh, jax.devices()[:mesh.size])):
-        runs = {name: (lambda f=jax.jit(fn): f(problem.params, tokens_a, tokens_b))
-                for name, fn in (("pair", pair), ("sequential", sequential))}
+        saved = jax.jit(lambda stack, h: run_pair(graphdef, config, forward=(stack, h))[0]
+                        .saved)(stack, h_b)
+        runs = {name: (lambda f=chunks(interleave): f(stack, h_a, saved, d_h, d_balance))
+                for name, interleave in (("pair", True), ("sequential", False))}
         pair_s = median_seconds(runs["pair"], repeats)
         sequential_s = median_seconds(runs["sequential"], repeats)
         busy = exposed = None

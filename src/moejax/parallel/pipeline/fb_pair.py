@@ -1,0 +1,377 @@
+"""An F&B pair of expert-parallel MoE blocks: the forward of one micro-batch interleaved,
+piece by piece, with the backward of another, so that each one's all_to_all runs while
+the other computes (DualPipe's overlapped forward-and-backward chunk).
+
+Pieces. On one device (inside a ``shard_map`` manual over the batch axes ``data`` and
+``expert``) a MoE decoder block is cut at its two exchanges into five pieces:
+
+==========  =============================================================  =============
+attention   norm, MLA, residual, norm, router, top-k, local sort, the       compute
+            send layout (``Transport.prepare``)
+dispatch    the token exchange over ``expert`` (``Transport.exchange``)     communication
+experts     receiver-side sort, grouped SwiGLU GEMMs, un-sort; shared       compute
+            experts
+combine     the exchange back (``Transport.exchange_back``)                 communication
+residual    each token's k rows weighted and summed, residual add          compute (small)
+==========  =============================================================  =============
+
+A chunk's forward runs them in order and keeps each piece's inputs (the residuals of its
+backward). Its backward runs them in reverse, each as ``jax.vjp`` of the piece at its kept
+inputs: a compute piece recomputes its own forward (remat at piece granularity); an
+exchange is linear, so its forward is dead in its backward and XLA drops it, leaving one
+all_to_all per exchange (the tests count them in the compiled HLO).
+
+Interleave. A block is four steps; forward step k is paired with backward step k:
+
+====  ===============================  ===================================
+step  forward (micro-batch A)          backward (micro-batch B)
+====  ===============================  ===================================
+1     attention           (compute)    residual^T, combine^T  (exchange)
+2     dispatch           (exchange)    experts^T               (compute)
+3     experts             (compute)    dispatch^T             (exchange)
+4     combine, residual  (exchange)    attention^T             (compute)
+====  ===============================  ===================================
+
+so each step holds one exchange and one compute piece of the other chain. Over a stack,
+forward block i pairs with backward block L-1-i; the longer chain's extra steps run alone.
+
+How XLA is led to overlap them:
+
+1. Data dependencies. Both chains are traced into one HLO computation (one jit, one
+   shard_map body, no conditional around either). The two pieces of a step share no value,
+   so the only order XLA must keep is each chain's own.
+2. Order. ``lax.optimization_barrier`` over both chains' whole state (values, routing
+   metadata, kept inputs, gradients so far) after every step makes step k+1 of either chain
+   depend on step k of both. The pairing is therefore lock-step: the scheduler cannot run
+   one chain ahead (leaving an exchange with nothing independent to hide under), and each
+   exchange has the other chain's compute piece of the same step beside it.
+3. Scheduling (GPU). XLA:GPU lowers ``all-to-all`` and ``ragged-all-to-all`` as async
+   start/done pairs on a communication stream; its latency-hiding scheduler
+   (``--xla_gpu_enable_latency_hiding_scheduler=true``: ``experiments.pipeline_study
+   --fb-pair`` sets it when XLA_FLAGS does not mention it, as whether it is on by default
+   depends on the jaxlib) puts the start before, and the done after, independent compute,
+   which by (1) and (2) is the other chain's piece. Keep all-to-all async: do not list
+   ``alltoall`` in ``--xla_gpu_disable_async_collectives``. XLA:CPU runs collectives
+   synchronously, so on CPU the pair is checked for its results only.
+4. What no pairing hides: the ragged transport's small all_gather of per-expert counts
+   (its exchange plan) inside the attention piece, and the gradients' ``psum`` over the
+   batch axes, done once after the pair (parameters are marked varying inside, so each
+   piece's backward gives this device's partial gradients and no collective sits inside a
+   compute piece).
+
+``interleave=False`` runs the same pieces with one barrier between the chains (the
+backward's inputs wait for the forward's outputs): the sequential baseline.
+FP8 token transport is not supported here (its exchange is fused with quantisation in one
+custom VJP).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from moejax.config import ConfigError, ModelConfig
+from moejax.model.decoder import DecoderBlock
+from moejax.model.dispatch import combine, dispatch
+from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
+from moejax.model.rope import rope_tables
+from moejax.model.routing import balance_loss, route
+from moejax.parallel.expert import (
+    EXPERT_AXIS,
+    Transport,
+    current_options,
+    expert_layout,
+    make_transport,
+    varying_over,
+)
+from moejax.parallel.sharding import param_logical_axes
+
+Values = dict[str, Any]  # float arrays a piece differentiates through
+Meta = dict[str, Any]  # routing decisions and layouts (integers): carried, not differentiated
+Piece = Callable[["Context", DecoderBlock, jax.Array, Values, Meta], tuple[Values, Meta]]
+
+FORWARD_STEPS = (("attention",), ("dispatch",), ("experts",), ("combine", "residual"))
+BACKWARD_STEPS = tuple(tuple(reversed(step)) for step in reversed(FORWARD_STEPS))
+
+
+class Context(NamedTuple):
+    """What every piece of a block reads besides its parameters and router bias."""
+
+    graphdef: nnx.GraphDef  # of one MoE DecoderBlock
+    config: ModelConfig
+    transport: Transport
+    cos: jax.Array
+    sin: jax.Array
+    batch_axes: tuple[str, ...]  # the manual axes tokens are split over
+
+
+# --- the pieces (per device) ------------------------------------------------------------
+
+def _attention(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
+               ) -> tuple[Values, Meta]:
+    h = x["h"]
+    h = h + block.self_attn(block.input_layernorm(h), ctx.cos, ctx.sin)
+    normed = block.post_attention_layernorm(h)
+    batch, seq, hidden = normed.shape
+    flat = normed.reshape(batch * seq, hidden)
+    logits = jnp.dot(flat.astype(jnp.float32), block.mlp.router[...],
+                     precision=jax.lax.Precision.HIGHEST)
+    routing = route(logits, bias, ctx.config)
+    sent = dispatch(flat, routing.experts, ctx.config.n_routed_experts)
+    out = ctx.transport.prepare(sent.tokens, routing.experts.reshape(-1)[sent.order],
+                                sent.group_sizes)
+    return ({"h": h, "normed": normed, "weights": routing.weights, "rows": out.rows,
+             # varying like the tokens even when it is a constant 0 (aux_loss_alpha=0)
+             "balance": varying_over(balance_loss(routing, batch, ctx.config),
+                                     ctx.batch_axes)},
+            {"order": sent.order, "counts": sent.group_sizes, "labels": out.labels,
+             "outbound": out.context, "dropped": out.dropped})
+
+
+def _dispatch(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
+              ) -> tuple[Values, Meta]:
+    x = dict(x)
+    arrived, labels = ctx.transport.exchange(x.pop("rows"), meta["labels"], meta["outbound"])
+    return {**x, "arrived": arrived}, {**meta, "labels": labels}
+
+
+def _experts(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
+             ) -> tuple[Values, Meta]:
+    x = dict(x)
+    received = ctx.transport.arrange(x.pop("arrived"), meta["labels"], meta["outbound"],
+                                     meta["dropped"])
+    mlp = block.mlp
+    weights = ExpertWeights(mlp.gate_proj[...], mlp.up_proj[...], mlp.down_proj[...])
+    y = grouped_swiglu(received.tokens, received.group_sizes, weights, mlp.precision)
+    normed = x.pop("normed")
+    shared = None if mlp.shared_experts is None else mlp.shared_experts(normed)
+    return ({**x, "rows": ctx.transport.unarrange(y, received.context), "shared": shared},
+            {**meta, "inbound": received.context, "dropped": received.dropped})
+
+
+def _combine(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
+             ) -> tuple[Values, Meta]:
+    x = dict(x)
+    return {**x, "rows": ctx.transport.exchange_back(x.pop("rows"), meta["inbound"])}, meta
+
+
+def _residual(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
+              ) -> tuple[Values, Meta]:
+    h = x["h"]
+    rows = ctx.transport.finish(x["rows"], meta["inbound"])
+    y = combine(rows, meta["order"], x["weights"]).reshape(h.shape)
+    if x["shared"] is not None:
+        y = y + x["shared"]
+    return {"h": h + y, "balance": x["balance"]}, meta
+
+
+PIECES: dict[str, Piece] = {"attention": _attention, "dispatch": _dispatch,
+                            "experts": _experts, "combine": _combine, "residual": _residual}
+
+
+# --- the two chains as lists of steps ---------------------------------------------------
+
+class LayerStats(NamedTuple):
+    counts: jax.Array  # (E,) int32 on this device
+    balance: jax.Array  # unweighted balance loss on this device's sequences
+    dropped: jax.Array  # int32
+
+
+class ForwardState(NamedTuple):
+    x: Values  # between blocks: {"h"}
+    meta: Meta
+    saved: dict[int, dict[str, tuple[Values, Meta]]]  # block -> piece -> its inputs
+    stats: dict[int, LayerStats]
+
+
+class BackwardState(NamedTuple):
+    ct: Values  # cotangent of the next piece's output (between blocks: {"h"})
+    grads: dict[int, nnx.State]  # block -> parameter gradients (this device's part)
+    saved: dict[int, dict[str, tuple[Values, Meta]]]  # the forward's kept inputs
+
+
+Step = Callable[[Any], Any]
+
+
+def _layer(stack: "Stack", i: int) -> tuple[nnx.State, jax.Array]:
+    return jax.tree.map(lambda a: a[i], stack.params), stack.biases[i]
+
+
+def _forward_steps(ctx: Context, stack: "Stack") -> list[Step]:
+    steps = []
+    for i in range(stack.biases.shape[0]):
+        params, bias = _layer(stack, i)
+        for names in FORWARD_STEPS:
+            def step(s: ForwardState, i=i, params=params, bias=bias, names=names
+                     ) -> ForwardState:
+                x, meta, kept, stats = s.x, s.meta, dict(s.saved.get(i, {})), s.stats
+                block = nnx.merge(ctx.graphdef, params)
+                for name in names:
+                    kept[name] = (x, meta)
+                    x, meta = PIECES[name](ctx, block, bias, x, meta)
+                if names[-1] == "residual":  # block done: its stats out, h on
+                    stats = {**stats, i: LayerStats(meta["counts"], x["balance"],
+                                                    meta["dropped"])}
+                    x, meta = {"h": x["h"]}, {}
+                return ForwardState(x, meta, {**s.saved, i: kept}, stats)
+            steps.append(step)
+    return steps
+
+
+def _backward_steps(ctx: Context, stack: "Stack", d_balance: jax.Array) -> list[Step]:
+    steps = []
+    for i in reversed(range(stack.biases.shape[0])):
+        params, bias = _layer(stack, i)
+        for names in BACKWARD_STEPS:
+            def step(s: BackwardState, i=i, params=params, bias=bias, names=names
+                     ) -> BackwardState:
+                ct, grads = s.ct, s.grads.get(i)
+                if names[0] == "residual":  # block start: its balance loss's cotangent in
+                    ct = {"h": ct["h"], "balance": d_balance[i]}
+                for name in names:
+                    x, meta = s.saved[i][name]
+                    piece = functools.partial(PIECES[name], ctx, bias=bias, meta=meta)
+                    _, vjp, _ = jax.vjp(
+                        lambda p, v: piece(nnx.merge(ctx.graphdef, p), x=v), params, x,
+                        has_aux=True)
+                    d_params, ct = vjp(ct)
+                    grads = d_params if grads is None else jax.tree.map(jnp.add, grads,
+                                                                        d_params)
+                return BackwardState(ct, {**s.grads, i: grads}, s.saved)
+            steps.append(step)
+    return steps
+
+
+def _run(forward: list[Step], backward: list[Step], f: ForwardState, b: BackwardState,
+         interleave: bool) -> tuple[ForwardState, BackwardState]:
+    barrier = jax.lax.optimization_barrier
+    if not interleave:
+        for step in forward:
+            f = step(f)
+        f, b = barrier((f, b))
+        for step in backward:
+            b = step(b)
+        return f, b
+    for k in range(max(len(forward), len(backward))):
+        f = forward[k](f) if k < len(forward) else f
+        b = backward[k](b) if k < len(backward) else b
+        f, b = barrier((f, b))
+    return f, b
+
+
+# --- public: shard_map over the batch axes ----------------------------------------------
+
+class Stack(NamedTuple):
+    """Consecutive MoE blocks: their parameters stacked (L, ...) and router biases (L, E)."""
+
+    params: nnx.State
+    biases: jax.Array
+
+
+class Forward(NamedTuple):
+    """A forward chunk of a stack on one micro-batch."""
+
+    h: jax.Array  # (B, S, H) the last block's output
+    counts: jax.Array  # (L, E) int32 token copies per expert, over all devices
+    balance: jax.Array  # (L,) unweighted balance loss (mean over devices)
+    dropped: jax.Array  # int32 copies dropped by a capacity limit, all blocks
+    saved: Any  # every piece's inputs, per device (leading axis): the backward's residuals
+
+
+class Backward(NamedTuple):
+    """A backward chunk of a stack on one micro-batch."""
+
+    d_h: jax.Array  # (B, S, H) gradient w.r.t. the first block's input
+    d_params: nnx.State  # like Stack.params, summed over devices
+
+
+def _param_specs(params: nnx.State) -> nnx.State:
+    """Stacked MoE-block parameters: routed experts split over ``expert``, the rest whole."""
+    def spec(path: tuple, ndim: int) -> P:
+        axes = param_logical_axes(("moe_blocks", *path), ndim)
+        return P(*(EXPERT_AXIS if a == "expert" else None for a in axes))
+    return nnx.from_flat_state([(path, v.replace(spec(path, v.ndim)))
+                                for path, v in nnx.to_flat_state(params)])
+
+
+def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
+             forward: tuple[Stack, jax.Array] | None = None,
+             backward: tuple[Stack, Any, jax.Array, jax.Array] | None = None,
+             interleave: bool = True) -> tuple[Forward | None, Backward | None]:
+    """A forward chunk ``(stack, h)`` and a backward chunk ``(stack, saved, d_h, d_balance)``
+    of MoE-block stacks, interleaved (or, with ``interleave=False``, one after the other).
+
+    Either chunk may be None (a lone forward gives the ``saved`` a backward takes).
+    ``d_h`` is the cotangent of the stack's output, ``d_balance`` (L,) that of its
+    per-block balance losses as ``Forward.balance`` reports them (e.g. the aux-loss
+    weight). Call under ``jax.set_mesh`` with an ``expert`` axis; ``graphdef`` is one MoE
+    ``DecoderBlock``'s.
+    """
+    if current_options().token_format != "compute":
+        raise ConfigError(f"token_format={current_options().token_format!r}: the F&B pair "
+                          "supports only 'compute' (FP8 transport fuses its exchange)")
+    if forward is None and backward is None:
+        raise ValueError("run_pair: give a forward chunk, a backward chunk, or both")
+    h_any = forward[1] if forward is not None else backward[2]
+    ep, batch_axes = expert_layout(config, h_any.shape[0])
+    tokens, per_device = P(batch_axes), P(batch_axes)
+
+    def body(f_in, b_in):
+        batch, seq, _ = (f_in[1] if f_in is not None else b_in[2]).shape
+        cos, sin = rope_tables(config, jnp.arange(seq)[None, :])
+        transport = make_transport(current_options(), ep, batch_axes,
+                                   batch * seq * config.num_experts_per_tok,
+                                   config.n_routed_experts)
+        ctx = Context(graphdef, config, transport, cos, sin, batch_axes)
+        f = b = None
+        f_steps, b_steps = [], []
+        if f_in is not None:
+            stack, h = f_in
+            f_steps = _forward_steps(ctx, stack._replace(
+                params=varying_over(stack.params, batch_axes)))
+            f = ForwardState({"h": h}, {}, {}, {})
+        if b_in is not None:
+            stack, saved, d_h, d_balance = b_in
+            shards = jax.lax.psum(1, batch_axes)
+            d_balance = varying_over(d_balance / shards, batch_axes)  # d(mean)/d(mine)
+            b_steps = _backward_steps(ctx, stack._replace(
+                params=varying_over(stack.params, batch_axes)), d_balance)
+            b = BackwardState({"h": d_h}, {}, jax.tree.map(lambda a: a[0], saved))
+        f, b = _run(f_steps, b_steps, f, b, interleave)
+        return _forward_out(f, batch_axes), _backward_out(b, b_in, batch_axes)
+
+    specs = lambda stack: Stack(_param_specs(stack.params), P())  # noqa: E731
+    f_specs = None if forward is None else (specs(forward[0]), tokens)
+    b_specs = None if backward is None else (specs(backward[0]), per_device, tokens, P())
+    f_out = None if forward is None else Forward(tokens, P(), P(), P(), per_device)
+    b_out = None if backward is None else Backward(tokens, _param_specs(backward[0].params))
+    return jax.shard_map(body, in_specs=(f_specs, b_specs), out_specs=(f_out, b_out))(
+        forward, backward)
+
+
+def _forward_out(f: ForwardState | None, batch_axes: tuple[str, ...]) -> Forward | None:
+    if f is None:
+        return None
+    stats = [f.stats[i] for i in sorted(f.stats)]
+    total = functools.partial(jax.lax.psum, axis_name=batch_axes)
+    saved = jax.tree.map(lambda a: a[None], varying_over(f.saved, batch_axes))
+    return Forward(f.x["h"], total(jnp.stack([s.counts for s in stats])),
+                   jax.lax.pmean(jnp.stack([s.balance for s in stats]), batch_axes),
+                   total(sum(s.dropped for s in stats)), saved)
+
+
+def _backward_out(b: BackwardState | None, b_in: tuple | None,
+                  batch_axes: tuple[str, ...]) -> Backward | None:
+    if b is None:
+        return None
+    specs = _param_specs(b_in[0].params)
+    grads = jax.tree.map(lambda *g: jnp.stack(g), *(b.grads[i] for i in sorted(b.grads)))
+    summed = jax.tree.map(
+        lambda g, spec: jax.lax.psum(g, tuple(a for a in batch_axes if a not in spec)),
+        grads, specs)
+    return Backward(b.ct["h"], summed)
