@@ -1,6 +1,10 @@
 """GEMM benchmark: our Pallas kernels vs XLA, JAX's Mosaic GPU example and torch.
 
-    python -m experiments.bench_gemm [--quick] [--tune] [--json PATH]
+    python -m experiments.bench_gemm [--quick] [--tune] [--only dense|grouped] [--json PATH]
+
+"ours" is the public op on the backend `pallas_kernels.backend()` picks (on an H100:
+the Mosaic GPU WGMMA kernel for the block-scaled FP8 GEMMs, Triton for the rest); the
+Triton kernel of the same op is a comparator column where the two differ.
 
 Prints one row per (op, shape): TFLOP/s, the floor time (METHOD.md: max of FLOPs
 over peak and bytes over bandwidth), the ratio to each comparator and the error.
@@ -61,7 +65,7 @@ def median_time(fn: Callable[[], object], sync: Callable[[object], object], iter
 
 
 # ----------------------------------------------------------------------------- torch side
-def torch_worker(quick: bool) -> dict[str, float | str]:
+def torch_worker(quick: bool, only: str | None) -> dict[str, float | str]:
     """Seconds per call of each torch comparator, keyed like the JAX rows."""
     import torch
     import torch.nn.functional as F
@@ -86,7 +90,7 @@ def torch_worker(quick: bool) -> dict[str, float | str]:
         s = t.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
         return (t / s[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k), s
 
-    for name, m, n, k in dense_shapes(quick):
+    for name, m, n, k in [] if only == "grouped" else dense_shapes(quick):
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         timed(f"cublas_bf16/{name}/{m}x{n}x{k}", lambda: a @ w.t())
@@ -102,7 +106,7 @@ def torch_worker(quick: bool) -> dict[str, float | str]:
         except Exception as e:
             res[f"cublaslt_fp8_block/{name}/{m}x{n}x{k}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
         del a, w
-    for g, rows, k, n in GROUPED[:1] if quick else GROUPED:
+    for g, rows, k, n in [] if only == "dense" else GROUPED[:1] if quick else GROUPED:
         sizes = torch.tensor(group_sizes(g, rows), device=dev)
         offs = torch.cumsum(sizes, 0).to(torch.int32)
         x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
@@ -125,8 +129,9 @@ def torch_worker(quick: bool) -> dict[str, float | str]:
     return res
 
 
-def run_torch(quick: bool) -> dict[str, float | str]:
-    cmd = [sys.executable, "-m", "experiments.bench_gemm", "--torch-worker"] + (["--quick"] if quick else [])
+def run_torch(quick: bool, only: str | None) -> dict[str, float | str]:
+    cmd = [sys.executable, "-m", "experiments.bench_gemm", "--torch-worker"] + (
+        ["--quick"] if quick else []) + (["--only", only] if only else [])
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     except Exception as e:
@@ -179,7 +184,7 @@ def rel_err(out_fn: Callable[[], object], ref_fn: Callable[[], object]) -> float
     return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
-def jax_rows(quick: bool, torch_res: dict, cfgs: dict) -> list[Row]:
+def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list[Row]:
     import jax
     import jax.numpy as jnp
 
@@ -199,23 +204,24 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict) -> list[Row]:
             return f"failed: {type(e).__name__}: {str(e)[:100]}"
 
     rows: list[Row] = []
-    for name, m, n, k in dense_shapes(quick):
+    for name, m, n, k in [] if only == "grouped" else dense_shapes(quick):
         shape = f"{m}x{n}x{k}"
         a = jax.random.normal(next(key), (m, k), jnp.bfloat16)
         w = jax.random.normal(next(key), (n, k), jnp.bfloat16)
         aq, as_ = pk.quantize_1x128(a)
         wq, ws = pk.quantize_128x128(w)
-        ours = bind(lambda aq, as_, wq, ws: tg.grouped_matmul(
-            aq, wq[None], jnp.array([aq.shape[0]], jnp.int32), a_scale=as_, b_scale=ws[None],
-            cfg=cfgs["fp8"]), aq, as_, wq, ws)
-        fns = {"ours": ours, "xla_bf16": bind(lambda a, w: a @ w.T, a, w)}
+        ours = bind(pk.fp8_gemm, aq, as_, wq, ws)
+        fns = {"ours": ours, "xla_bf16": bind(lambda a, w: a @ w.T, a, w),
+               "triton_ours": bind(lambda aq, as_, wq, ws: tg.grouped_matmul(
+                   aq, wq[None], jnp.array([aq.shape[0]], jnp.int32), a_scale=as_,
+                   b_scale=ws[None], cfg=cfgs["fp8"]), aq, as_, wq, ws)}
         err = rel_err(ours, bind(lambda aq, as_, wq, ws: jnp.dot(
             dequantize(aq, as_, 1), dequantize(wq, ws, 128).T, precision=hi), aq, as_, wq, ws))
         if (m, n, k) == (8192, 8192, 8192):
             print("fp8_gemm 8192^3 error vs unquantized f32 product:", rel_err(ours, bind(
                 lambda a, w: jnp.dot(a.astype(jnp.float32), w.astype(jnp.float32).T, precision=hi), a, w)))
-        t_ours, t_xla = tq("ours"), tq("xla_bf16")
-        vs = {"xla_bf16": t_xla}
+        t_ours = tq("ours")
+        vs = {"xla_bf16": tq("xla_bf16"), "triton_ours": tq("triton_ours")}
         for tk in ("cublas_bf16", "cublaslt_fp8_block"):
             vs[tk] = torch_res.get(f"{tk}/{name}/{shape}", "absent")
         emit(rows, Row(f"fp8_gemm {name}", shape, 2.0 * m * n * k, m * k + n * k + 2 * m * n + 4 * m * k / 128,
@@ -223,7 +229,7 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict) -> list[Row]:
         del a, w, aq, wq
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    for g, rows_, k, n in GROUPED[:1] if quick else GROUPED:
+    for g, rows_, k, n in [] if only == "dense" else GROUPED[:1] if quick else GROUPED:
         gkey = f"{g}x{rows_}x{k}->{n}"
         sizes = jnp.asarray(group_sizes(g, rows_))
         x = jax.random.normal(next(key), (rows_, k), jnp.bfloat16)
@@ -254,7 +260,9 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict) -> list[Row]:
         }
         for pname, pf in passes.items():
             fns = {kk: bind(v, x, dy, b, sizes) for kk, v in pf.items() if kk != "ref"}
-            err = rel_err(fns["ours"], bind(pf["ref"], x, dy, b, sizes))
+            # XLA's FP32 ragged_dot for 64 groups compiles past a device call's time limit
+            # (2026-11-22); that shape's correctness is in tests/test_kernels_gpu.py.
+            err = rel_err(fns["ours"], bind(pf["ref"], x, dy, b, sizes)) if g <= 8 else None
             vs = {kk: tq(kk) for kk in fns if kk != "ours"}
             vs["torch_grouped_mm"] = torch_res.get(f"torch_grouped_mm/{pname}/{gkey}", "absent")
             io = (rows_ * k + g * k * n + rows_ * n) * 2
@@ -270,21 +278,20 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict) -> list[Row]:
             "dgrad": (dyq, dys, bq, bs, (dy, b)),
         }
         for pname, (aq, as_, wq_, ws_, _) in fp8_passes.items():
-            ours = bind(lambda aq, as_, wq_, ws_, sizes: tg.grouped_matmul(
+            ours = bind(pk.fp8_grouped_gemm, aq, as_, wq_, ws_, sizes)
+            triton = bind(lambda aq, as_, wq_, ws_, sizes: tg.grouped_matmul(
                 aq, wq_, sizes, a_scale=as_, b_scale=ws_, cfg=cfgs["fp8"]), aq, as_, wq_, ws_, sizes)
             mm, kk_ = aq.shape
             nn = wq_.shape[1]
             dq, dqs = pk.quantize_1x128(jax.random.normal(next(key), (mm, kk_), jnp.bfloat16))
             dw, dws = pk.quantize_128x128(jax.random.normal(next(key), (nn, kk_), jnp.bfloat16))
-            dense = bind(lambda dq, dqs, dw, dws: tg.grouped_matmul(
-                dq, dw[None], jnp.array([dq.shape[0]], jnp.int32), a_scale=dqs, b_scale=dws[None],
-                cfg=cfgs["fp8"]), dq, dqs, dw, dws)
+            dense = bind(pk.fp8_gemm, dq, dqs, dw, dws)
             ref = bind(lambda aq, as_, wq_, ws_, sizes: jax.lax.ragged_dot(
                 dequantize(aq, as_, 1), jnp.swapaxes(dequantize(wq_, ws_, 128), 1, 2), sizes, precision=hi),
                 aq, as_, wq_, ws_, sizes)
             err = rel_err(ours, ref)
-            fns = {"ours": ours, "dense_fp8_ours": dense}
-            vs = {"dense_fp8_ours": tq("dense_fp8_ours"),
+            fns = {"ours": ours, "dense_fp8_ours": dense, "triton_ours": triton}
+            vs = {"dense_fp8_ours": tq("dense_fp8_ours"), "triton_ours": tq("triton_ours"),
                   "torch_scaled_grouped_mm": torch_res.get(f"torch_scaled_grouped_mm/{pname}/{gkey}", "absent")}
             io = rows_ * kk_ + g * kk_ * nn + rows_ * nn * 2
             emit(rows, Row(f"fp8_grouped_gemm {pname}", gkey, flops, io, "fp8", tq("ours"), err, vs))
@@ -369,17 +376,20 @@ def main() -> None:
     ap.add_argument("--torch-worker", action="store_true")
     ap.add_argument("--quick", action="store_true", help="first shapes only")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs first")
+    ap.add_argument("--only", choices=("dense", "grouped"), default=None,
+                    help="one table only (each fits one device call)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.torch_worker:
-        print("TORCHJSON " + json.dumps(torch_worker(args.quick)))
+        print("TORCHJSON " + json.dumps(torch_worker(args.quick, args.only)))
         return
-    torch_res = run_torch(args.quick)
+    torch_res = run_torch(args.quick, args.only)
     import jax
 
     from pallas_kernels import triton_gemm as tg
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; our backend: triton (Pallas)")
+    import pallas_kernels as pk
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; our backend: {pk.backend()}")
     TC = tg.TileConfig
     cands = {
         "fp8": [tg.FP8_CONFIG, TC(128, 256, 128, 8, 8, 3), TC(128, 128, 128, 8, 4, 4),
@@ -391,7 +401,7 @@ def main() -> None:
     cfgs = tune(cands) if args.tune else {k: v[0] for k, v in cands.items()}
     print("configs:", cfgs)
     print(HEADER)
-    rows = jax_rows(args.quick, torch_res, cfgs)
+    rows = jax_rows(args.quick, torch_res, cfgs, args.only)
     print(HEADER)
     for r in rows:
         print(format_row(r))

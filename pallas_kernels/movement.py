@@ -22,7 +22,7 @@ from pallas_kernels import movement_reference, triton_movement
 from pallas_kernels.backend import backend
 
 # Ops whose XLA compile of the reference already runs at the kernel's speed on a GPU, so
-# the triton backend uses the reference for them: combine's forward (mostly reads; XLA
+# the GPU backends use the reference for them: combine's forward (mostly reads; XLA
 # fuses it into one pass, and the kernel ran at 0.82-1.07x XLA's speed on an H100 over
 # T = 4096-65536; experiments/bench_movement.py, docs/performance.md).
 XLA_MATCHES_ON_GPU: frozenset[str] = frozenset({"combine"})
@@ -41,7 +41,7 @@ def _impl(op: str, *shape_dtypes: tuple[tuple[int, ...], jnp.dtype]):
     the kernel, or where an operand is too large for the kernels' 32-bit offsets."""
     name = backend()
     fits = all(triton_movement.offsets_fit(shape, dtype) for shape, dtype in shape_dtypes)
-    if name == "reference" or not fits or (name == "triton" and op in XLA_MATCHES_ON_GPU):
+    if name == "reference" or not fits or (name != "interpret" and op in XLA_MATCHES_ON_GPU):
         return getattr(movement_reference, op)
     return functools.partial(getattr(triton_movement, op), interpret=name == "interpret")
 

@@ -203,5 +203,5 @@ def test_backend_selection_is_visible_and_overridable(monkeypatch):
         assert pk.backend() == "interpret"
     monkeypatch.setenv("MOEJAX_GEMM_BACKEND", "reference")
     assert pk.backend() == "reference"
-    with pytest.raises(ValueError, match="mosaic"):
+    with pytest.raises(ValueError, match="mosaic"):  # refused where it cannot run (CPU)
         pk.set_backend("mosaic")

@@ -1,4 +1,4 @@
-"""The Triton-lowered kernels on a real GPU (run through the device tool: -m gpu)."""
+"""The Triton- and Mosaic-GPU-lowered kernels on a real GPU (device tool: -m gpu)."""
 from __future__ import annotations
 
 import jax
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from pallas_kernels import mosaic_gemm
 from pallas_kernels import triton_gemm as tg
 from pallas_kernels.quantize import dequantize
 
@@ -37,6 +38,57 @@ def test_fp8_gemm_gpu(m, n, k):
                             out_dtype=jnp.float32, out_init=poison)
     ref = _ref64(lambda a, b: a @ b.T, dequantize(aq, as_, 1), dequantize(bq, bs, 128))
     assert _rel(out, ref) <= 1e-3
+
+
+needs_mosaic = pytest.mark.skipif(not mosaic_gemm.available(), reason="needs sm_90, jax>=0.11")
+
+
+@needs_mosaic
+@pytest.mark.parametrize("m,n,k,sizes", [
+    (1300, 2112, 1024, SIZES),  # uneven groups incl. 0/1/127/129 rows, 43 zero rows, N % 128
+    (1000, 384, 7168, np.array([1000], np.int32)),  # dense, long K (no chained pipelines)
+    (8192, 256, 512, np.array([3000, 0, 5192], np.int32)),  # many tiles per SM (chained)
+])
+def test_mosaic_fp8_grouped_gemm_gpu(m, n, k, sizes):
+    ka, kb = jax.random.split(jax.random.key(m + n + k))
+    aq, as_ = pk.quantize_1x128(jax.random.normal(ka, (m, k), jnp.bfloat16))
+    bq, bs = jax.vmap(pk.quantize_128x128)(jax.random.normal(kb, (len(sizes), n, k), jnp.bfloat16))
+    with pk.use_backend("mosaic"):
+        out = np.asarray(pk.fp8_grouped_gemm(aq, as_, bq, bs, jnp.asarray(sizes),
+                                              out_dtype=jnp.float32))
+    a64 = _ref64(lambda a: a, dequantize(aq, as_, 1))
+    b64 = np.stack([_ref64(lambda w: w, dequantize(bq[g], bs[g], 128)) for g in range(len(sizes))])
+    ends = np.cumsum(sizes)
+    ref = np.zeros((m, n))
+    for g, (lo, hi) in enumerate(zip(ends - sizes, ends)):
+        ref[lo:hi] = a64[lo:hi] @ b64[g].T
+    assert _rel(out[:ends[-1]], ref[:ends[-1]]) <= 1e-3
+    assert np.all(out[ends[-1]:] == 0)
+
+
+@needs_mosaic
+def test_mosaic_fp8_gemm_nan_propagates_and_linear_grads_gpu():
+    m, n, k = 256, 256, 256
+    ks = jax.random.split(jax.random.key(11), 3)
+    a = jax.random.normal(ks[0], (m, k), jnp.bfloat16).at[5, 7].set(jnp.nan)
+    aq, as_ = pk.quantize_1x128(a)
+    bq, bs = pk.quantize_128x128(jax.random.normal(ks[1], (n, k), jnp.bfloat16))
+    with pk.use_backend("mosaic"):
+        out = np.asarray(pk.fp8_gemm(aq, as_, bq, bs, out_dtype=jnp.float32))
+    assert np.all(np.isnan(out[5])) and np.all(np.isfinite(np.delete(out, 5, axis=0)))
+
+    x = jax.random.normal(ks[0], (1300, 512), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (len(SIZES), 384, 512), jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (1300, 384), jnp.bfloat16)
+
+    def grads(backend):
+        with pk.use_backend(backend):
+            return jax.grad(lambda x, w: jnp.sum(
+                pk.fp8_grouped_linear(x, w, jnp.asarray(SIZES)).astype(jnp.float32) * dy),
+                argnums=(0, 1))(x, w)
+
+    got, want = grads("mosaic"), grads("reference")
+    assert _rel(got[0], want[0]) <= 1e-2 and _rel(got[1], want[1]) <= 1e-2
 
 
 def test_fp8_grouped_and_wgrad_gpu():
