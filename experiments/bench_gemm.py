@@ -3,8 +3,9 @@
     python -m experiments.bench_gemm [--quick] [--tune] [--only dense|grouped] [--json PATH]
 
 "ours" is the public op on the backend `pallas_kernels.backend()` picks (on an H100:
-the Mosaic GPU WGMMA kernel for the block-scaled FP8 GEMMs, Triton for the rest); the
-Triton kernel of the same op is a comparator column where the two differ.
+the Mosaic GPU WGMMA kernels for the block-scaled FP8 fprop/dgrad and the three BF16
+grouped GEMMs, Triton for the FP8 wgrad); the Triton kernel of the same op is a
+comparator column.
 
 Prints one row per (op, shape): TFLOP/s, the floor time (METHOD.md: max of FLOPs
 over peak and bytes over bandwidth), the ratio to each comparator and the error.
@@ -190,6 +191,7 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
 
     import pallas_kernels as pk
     from pallas_kernels import triton_gemm as tg
+    from pallas_kernels.backend import ops
     from pallas_kernels.quantize import dequantize
 
     sync = jax.block_until_ready
@@ -238,14 +240,16 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
         flops = 2.0 * rows_ * k * n
         passes = {
             "fwd": dict(
-                ours=lambda x, dy, b, sizes: tg.grouped_matmul(x, b, sizes, b_kn=True, cfg=cfgs["bf16"]),
+                ours=lambda x, dy, b, sizes: pk.grouped_gemm(x, b, sizes),
+                triton_ours=lambda x, dy, b, sizes: tg.grouped_matmul(x, b, sizes, b_kn=True, cfg=cfgs["bf16"]),
                 ragged_dot=lambda x, dy, b, sizes: jax.lax.ragged_dot(x, b, sizes),
                 mgpu_example=lambda x, dy, b, sizes: ragged_dot_mgpu.ragged_dot(
                     x, b, group_sizes=sizes, block_m=128, block_n=128, block_k=64,
                     max_concurrent_steps=4, grid_block_n=1),
                 ref=lambda x, dy, b, sizes: jax.lax.ragged_dot(x.astype(jnp.float32), b.astype(jnp.float32), sizes, precision=hi)),
             "dgrad": dict(
-                ours=lambda x, dy, b, sizes: tg.grouped_matmul(dy, b, sizes, b_kn=False, cfg=cfgs["bf16"]),
+                ours=lambda x, dy, b, sizes: ops().grouped_matmul(dy, b, sizes, b_kn=False, out_dtype=dy.dtype),
+                triton_ours=lambda x, dy, b, sizes: tg.grouped_matmul(dy, b, sizes, b_kn=False, cfg=cfgs["bf16"]),
                 ragged_dot=lambda x, dy, b, sizes: jax.lax.ragged_dot(dy, jnp.swapaxes(b, 1, 2), sizes),
                 mgpu_example=lambda x, dy, b, sizes: ragged_dot_mgpu.ragged_dot(
                     dy, b, group_sizes=sizes, block_m=128, block_n=128, block_k=64,
@@ -253,7 +257,8 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
                 ref=lambda x, dy, b, sizes: jax.lax.ragged_dot(dy.astype(jnp.float32), jnp.swapaxes(b, 1, 2).astype(jnp.float32),
                                                sizes, precision=hi)),
             "wgrad": dict(
-                ours=lambda x, dy, b, sizes: tg.grouped_matmul_tn(x, dy, sizes, token_major=True, cfg=cfgs["bf16_tn"]),
+                ours=lambda x, dy, b, sizes: ops().grouped_matmul_tn(x, dy, sizes, token_major=True, out_dtype=b.dtype),
+                triton_ours=lambda x, dy, b, sizes: tg.grouped_matmul_tn(x, dy, sizes, token_major=True, cfg=cfgs["bf16_tn"]),
                 ragged_dot=lambda x, dy, b, sizes: jax.vjp(lambda bb: jax.lax.ragged_dot(x, bb, sizes), b)[1](dy)[0],
                 ref=lambda x, dy, b, sizes: jax.vjp(lambda bb: jax.lax.ragged_dot(x.astype(jnp.float32), bb, sizes, precision=hi),
                                     b.astype(jnp.float32))[1](dy.astype(jnp.float32))[0]),

@@ -1,9 +1,9 @@
 """Which implementation the public GEMM and token-movement ops run, visible and overridable.
 
-- "mosaic": the block-scaled FP8 GEMMs (fprop, dgrad: 128x128 weight scales) run the
-  warp-specialized Mosaic GPU WGMMA kernel in `mosaic_gemm` (Hopper, jax >= 0.11); the
-  BF16 grouped GEMM, the FP8 wgrad and token movement run the Triton kernels.
-  Default on an sm_90 GPU.
+- "mosaic": warp-specialized Mosaic GPU WGMMA kernels (Hopper, jax >= 0.11): the
+  block-scaled FP8 GEMMs with 128x128 weight scales (fprop, dgrad) in `mosaic_gemm`,
+  all three BF16 grouped GEMMs in `mosaic_bf16_gemm`; the FP8 wgrad and token movement
+  run the Triton kernels. Default on an sm_90 GPU.
 - "triton": the Pallas kernels in `triton_gemm`, lowered through Triton (any CUDA GPU).
 - "interpret": the same kernels in Pallas interpret mode (CPU tests of kernel logic).
 - "reference": the pure-JAX reference in `reference` (FP32 math; CPU default).
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_gemm, reference, triton_gemm
+from pallas_kernels import mosaic_bf16_gemm, mosaic_common, mosaic_gemm, reference, triton_gemm
 from pallas_kernels.quantize import TILE
 
 BACKENDS = ("mosaic", "triton", "interpret", "reference")
@@ -38,7 +38,7 @@ class Ops(NamedTuple):
 def _validate(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown GEMM backend {name!r}; choose one of {BACKENDS}")
-    if name == "mosaic" and not mosaic_gemm.available():
+    if name == "mosaic" and not mosaic_common.available():
         raise ValueError(f"GEMM backend 'mosaic' needs a Hopper (sm_90) GPU and jax >= 0.11; "
                          f"this process has {jax.devices()[0].device_kind} and jax "
                          f"{jax.__version__}: choose one of {BACKENDS[1:]}")
@@ -48,18 +48,33 @@ def _validate(name: str) -> str:
 def default_backend() -> str:
     if jax.default_backend() != "gpu":
         return "reference"
-    return "mosaic" if mosaic_gemm.available() else "triton"
+    return "mosaic" if mosaic_common.available() else "triton"
 
 
 def _mosaic_grouped_matmul(a, b, group_sizes, *, a_scale=None, b_scale=None, b_row_tile=TILE,
                            b_kn=False, out_dtype=jnp.bfloat16, **triton_only) -> jax.Array:
-    """The WGMMA kernel where it applies (FP8 with 128x128 weight scales), else Triton."""
-    if a_scale is not None and b_row_tile == TILE and not b_kn and not triton_only:
+    """The WGMMA kernels where they apply (FP8 with 128x128 weight scales, 16-bit), else
+    Triton."""
+    if not triton_only and a_scale is not None and b_row_tile == TILE and not b_kn:
         return mosaic_gemm.scaled_grouped_matmul(a, b, group_sizes, a_scale=a_scale,
                                                  b_scale=b_scale, out_dtype=out_dtype)
+    if not triton_only and a_scale is None and a.dtype.itemsize == 2 and a.dtype == b.dtype:
+        return mosaic_bf16_gemm.grouped_matmul(a, b, group_sizes, b_kn=b_kn,
+                                               out_dtype=out_dtype)
     return triton_gemm.grouped_matmul(a, b, group_sizes, a_scale=a_scale, b_scale=b_scale,
                                       b_row_tile=b_row_tile, b_kn=b_kn, out_dtype=out_dtype,
                                       **triton_only)
+
+
+def _mosaic_grouped_matmul_tn(x, y, group_sizes, *, x_scale=None, y_scale=None,
+                              token_major=True, out_dtype=jnp.bfloat16, **triton_only):
+    """The 16-bit WGMMA wgrad kernel for token-major operands, else Triton."""
+    if (x_scale is None and token_major and not triton_only and x.dtype.itemsize == 2
+            and x.dtype == y.dtype):
+        return mosaic_bf16_gemm.grouped_matmul_tn(x, y, group_sizes, out_dtype=out_dtype)
+    return triton_gemm.grouped_matmul_tn(x, y, group_sizes, x_scale=x_scale, y_scale=y_scale,
+                                         token_major=token_major, out_dtype=out_dtype,
+                                         **triton_only)
 
 
 def backend() -> str:
@@ -88,7 +103,7 @@ def ops(name: str | None = None) -> Ops:
     if name == "reference":
         return Ops(reference.grouped_matmul, reference.grouped_matmul_tn)
     if name == "mosaic":
-        return Ops(_mosaic_grouped_matmul, triton_gemm.grouped_matmul_tn)
+        return Ops(_mosaic_grouped_matmul, _mosaic_grouped_matmul_tn)
     interpret = name == "interpret"
     return Ops(functools.partial(triton_gemm.grouped_matmul, interpret=interpret),
                functools.partial(triton_gemm.grouped_matmul_tn, interpret=interpret))

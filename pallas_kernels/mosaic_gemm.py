@@ -23,7 +23,7 @@ group it touches and each visit stores only its group's rows (TMA stores of 2^i 
 Rows past sum(group_sizes) are written as zeros without running the pipeline. The
 persistent grid walks (row tile, column tile) pairs with `nd_loop` across the SMs.
 
-Needs jax >= 0.11 with a Hopper GPU; `available()` says whether it can run here.
+Needs jax >= 0.11 with a Hopper GPU; `mosaic_common.available()` says whether it can run here.
 """
 from __future__ import annotations
 
@@ -34,11 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mosaic_common import CTA_M, WG_ROWS, store_rows, tile_owner
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
-WG_ROWS = 64  # rows per consumer warpgroup (the WGMMA M)
-CTA_M = 2 * WG_ROWS  # two consumer warpgroups stacked along M
 TILE_N = TILE  # columns per CTA: one 128x128 weight block scale per K step
 FP8_SWIZZLE = 128  # bytes: one 128-wide FP8 K step is one 128-byte swizzle row
 
@@ -64,58 +63,11 @@ class MosaicConfig:
 DEFAULT_CONFIG = MosaicConfig()
 
 
-def available() -> bool:
-    """True on a Hopper GPU with a jax whose Mosaic GPU Pallas has what this kernel uses."""
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:
-        return False
-    if device.platform != "gpu" or getattr(device, "compute_capability", "") != "9.0":
-        return False
-    return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
-
-
-def _tile_owner(t, ends_gmem, groups: int, block_m: int):
-    """(group, row block, first row, end row) of visit t; group == groups means the
-    zero rows past the last group. Unrolled over the G+1 boundaries (static loads)."""
-    i32 = jnp.int32
-    group = block = lo = hi = i32(0)
-    offset = start = i32(0)
-    for g in range(groups + 1):
-        end = ends_gmem[g]
-        first = lax.div(start, i32(block_m))
-        count = jnp.where(end > start, lax.div(end - 1, i32(block_m)) - first + 1, 0)
-        hit = (offset <= t) & (t < offset + count)
-        group = lax.select(hit, i32(g), group)
-        block = lax.select(hit, first + t - offset, block)
-        lo = lax.select(hit, start, lo)
-        hi = lax.select(hit, end, hi)
-        offset = offset + count
-        start = end
-    return group, block, lo, hi
-
-
 def _load_row_vector(ref) -> jax.Array:
     """A (64,) vector in the layout of the WGMMA accumulator's rows."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA.reduce(1))
-
-
-def _store_rows(smem, gmem, first_row, lo, count) -> None:
-    """Stores smem rows [lo, lo + count) to gmem rows first_row + lo ... as a ladder of
-    power-of-two TMA stores (descriptors need static box sizes)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    size, offset = WG_ROWS, lo
-    while size >= 1:
-        @pl.when((count & size) != 0)
-        def _store(offset=offset, size=size):
-            plgpu.copy_smem_to_gmem(smem.at[pl.ds(offset, size)],
-                                    gmem.at[pl.ds(first_row + offset, size)])
-        offset = offset + (count & size)
-        size //= 2
 
 
 def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
@@ -171,7 +123,7 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
         def _tiles(info, carry):
             (t,) = info.index
             mi, ni = plgpu.planar_snake(t, (tiles_m, tiles_n), 1, cfg.grid_tile_width)
-            group, block, lo, hi = _tile_owner(mi, ends_gmem, groups, CTA_M)
+            group, block, lo, hi = tile_owner(mi, ends_gmem, groups, CTA_M)
             row0 = block * CTA_M
             wg_row0 = row0 + wg * WG_ROWS
             # This warpgroup's rows of the visit, relative to its 64-row slice.
@@ -184,7 +136,7 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 out_smem[wg] = values.astype(out_smem.dtype)
                 plgpu.commit_smem()
-                _store_rows(out_smem.at[wg], out_cols, wg_row0, first, count)
+                store_rows(out_smem.at[wg], out_cols, wg_row0, first, count)
 
             def compute_context(run):
                 zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, TILE_N), jnp.float32),

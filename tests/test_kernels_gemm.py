@@ -205,3 +205,13 @@ def test_backend_selection_is_visible_and_overridable(monkeypatch):
     assert pk.backend() == "reference"
     with pytest.raises(ValueError, match="mosaic"):  # refused where it cannot run (CPU)
         pk.set_backend("mosaic")
+
+
+def test_mosaic_bf16_kernels_reject_other_dtypes():
+    from pallas_kernels import mosaic_bf16_gemm
+
+    a, sizes = jnp.ones((4, 64), jnp.float32), jnp.array([4], jnp.int32)
+    with pytest.raises(ValueError, match="16-bit a and b; got float32"):
+        mosaic_bf16_gemm.grouped_matmul(a, jnp.ones((1, 64, 128), jnp.float32), sizes, b_kn=True)
+    with pytest.raises(ValueError, match="16-bit x and y; got float32"):
+        mosaic_bf16_gemm.grouped_matmul_tn(a, a, sizes)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import mosaic_gemm
+from pallas_kernels import mosaic_common
 from pallas_kernels import triton_gemm as tg
 from pallas_kernels.quantize import dequantize
 
@@ -40,7 +40,7 @@ def test_fp8_gemm_gpu(m, n, k):
     assert _rel(out, ref) <= 1e-3
 
 
-needs_mosaic = pytest.mark.skipif(not mosaic_gemm.available(), reason="needs sm_90, jax>=0.11")
+needs_mosaic = pytest.mark.skipif(not mosaic_common.available(), reason="needs sm_90, jax>=0.11")
 
 
 @needs_mosaic
@@ -96,23 +96,47 @@ def test_fp8_grouped_linear_grads_gpu(backend):
     assert _rel(got[0], want[0]) <= 1e-2 and _rel(got[1], want[1]) <= 1e-2
 
 
-def test_grouped_gemm_gpu_grads():
-    m, k, n = 1300, 512, 384
-    ks = jax.random.split(jax.random.key(3), 3)
+@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=needs_mosaic)])
+@pytest.mark.parametrize("m,k,n,sizes", [
+    (1300, 512, 384, SIZES),  # uneven groups incl. 0/1/127/129 rows; 128-wide column tiles
+    (2048, 1024, 512, np.array([1000, 0, 1000], np.int32)),  # 256-wide tiles, 48 zero rows
+    (4096, 256, 384, (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
+        np.random.default_rng(0)).astype(np.int32)),  # 64 skewed groups, some empty
+])
+def test_grouped_gemm_gpu_grads(backend, m, k, n, sizes):
+    ks = jax.random.split(jax.random.key(m + k + n), 3)
+    a = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
+    b = jax.random.normal(ks[1], (len(sizes), k, n), jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (m, n), jnp.bfloat16)
+    sizes_j = jnp.asarray(sizes)
+    with pk.use_backend(backend):
+        out, vjp = jax.vjp(lambda a, b: pk.grouped_gemm(a, b, sizes_j), a, b)
+        da, db = vjp(dy)
+    a64, b64, dy64 = (_ref64(lambda v: v, v) for v in (a, b, dy))
+    ends = np.cumsum(sizes)
+    ref, ref_da, ref_db = np.zeros((m, n)), np.zeros((m, k)), np.zeros(b.shape)
+    for g, (lo, hi) in enumerate(zip(ends - sizes, ends)):
+        ref[lo:hi] = a64[lo:hi] @ b64[g]
+        ref_da[lo:hi] = dy64[lo:hi] @ b64[g].T
+        ref_db[g] = a64[lo:hi].T @ dy64[lo:hi]
+    used = ends[-1]
+    assert _rel(out[:used], ref[:used]) <= 1e-2 and _rel(da[:used], ref_da[:used]) <= 1e-2
+    assert np.all(np.asarray(out[used:]) == 0) and np.all(np.asarray(da[used:]) == 0)
+    assert _rel(db, ref_db) <= 1e-2
+    assert np.all(np.asarray(db)[sizes == 0] == 0)
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=needs_mosaic)])
+def test_grouped_gemm_nan_stays_in_its_group_gpu(backend):
+    m, k, n = 1300, 256, 256
+    ks = jax.random.split(jax.random.key(5), 3)
     a = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
     b = jax.random.normal(ks[1], (len(SIZES), k, n), jnp.bfloat16)
-    dy = jax.random.normal(ks[2], (m, n), jnp.float32)
-    sizes = jnp.asarray(SIZES)
-
-    def loss(fn, a, b):
-        return jnp.sum(fn(a, b, sizes).astype(jnp.float32) * dy)
-
-    with pk.use_backend("triton"):
-        out = pk.grouped_gemm(a, b, sizes)
-        da, db = jax.grad(lambda a, b: loss(pk.grouped_gemm, a, b), argnums=(0, 1))(a, b)
-    ref = jax.lax.ragged_dot(a.astype(jnp.float32), b.astype(jnp.float32), sizes,
-                             precision=jax.lax.Precision.HIGHEST)
-    assert _rel(out, ref) <= 1e-2
-    ra, rb = jax.grad(lambda a, b: loss(jax.lax.ragged_dot, a, b), argnums=(0, 1))(
-        a.astype(jnp.float32), b.astype(jnp.float32))
-    assert _rel(da, ra) <= 1e-2 and _rel(db, rb) <= 1e-2
+    # Row 300 is in group 4 (rows 257-556) and in the 64-row block it shares with group 3.
+    dy = jax.random.normal(ks[2], (m, n), jnp.bfloat16).at[300, 7].set(jnp.nan)
+    with pk.use_backend(backend):
+        _, vjp = jax.vjp(lambda a, b: pk.grouped_gemm(a, b, jnp.asarray(SIZES)), a, b)
+        da, db = (np.asarray(v, np.float32) for v in vjp(dy))
+    assert np.all(np.isnan(da[300])) and np.all(np.isfinite(np.delete(da, 300, axis=0)))
+    assert np.all(np.isnan(db[4][:, 7])) and np.all(np.isfinite(np.delete(db, 4, axis=0)))
+    assert np.all(np.isfinite(np.delete(db[4], 7, axis=1)))

@@ -1,0 +1,348 @@
+"""Mosaic GPU (Hopper WGMMA) BF16 grouped GEMMs: the three GEMMs of `grouped_gemm`.
+
+Why: the Triton lowering of the same tiles reaches 0.42-0.69x `torch._grouped_mm`
+(docs/performance.md), because one instruction stream both loads and multiplies.
+Here, as in the FP8 kernel (`mosaic_gemm`), a TMA producer warpgroup streams the
+operands through a shared-memory ring while two consumer warpgroups each own 64 rows
+of a 128 x tile_n output tile. BF16 needs no promotion, so the FP32 accumulator stays in
+the tensor core's registers for the whole K loop, and a consumer keeps one WGMMA in
+flight (the ring slot of step s is released once the WGMMA of step s + 1 is issued),
+except in chained pipelines (`Bf16Config.chain`), which cannot delay a release.
+A last column tile past N is zero-filled by the TMA loads and clipped by its stores.
+
+- `grouped_matmul`: rows grouped, contraction over K: fprop (b (G, K, N), read N-major)
+  and dgrad (b (G, N, K), read K-major and transposed in shared memory). Row tiles
+  straddling groups are visited once per group, as in `mosaic_common`.
+- `grouped_matmul_tn`: wgrad, contraction over each group's rows. The pipeline's trip
+  count is the group's number of 64-row blocks rounded up to whole turns of the ring (a
+  dynamic grid); rows of other groups in the edge blocks are zeroed in shared memory
+  before the WGMMA.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.mosaic_common import CTA_M, WG_ROWS, store_rows, tile_owner
+from pallas_kernels.quantize import TILE, cdiv
+from pallas_kernels.triton_gemm import _out_shape, _pad_axis
+
+SWIZZLE = 128  # bytes: one 64-wide BF16 K step is one 128-byte swizzle row
+STEP = SWIZZLE // 2  # contraction step in elements (rows for the wgrad)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bf16Config:
+    """tile_n: output columns per CTA (None: 256 for 2-byte outputs, else 128); each
+    consumer holds a 64 x tile_n FP32 accumulator. stages: ring depth (None: 4 at
+    tile_n = 256, where one stage is 48 KB; 5 at 128). epilogue_n: columns a consumer
+    stages in shared memory per TMA store (None: 128), so four stages fit. chain (fprop
+    and dgrad): the producer runs on into the next tile's K steps while the consumers
+    store this one, when the ring depth divides the K steps. grid_tile_width: width of
+    the snake over output tiles (L2 reuse). Defaults: the best or within noise (~5%) of
+    the best of a sweep on the H100 bench shapes (docs/performance.md, 2026-11-23)."""
+
+    tile_n: int | None = None
+    stages: int | None = None
+    epilogue_n: int | None = 128
+    grid_tile_width: int = 8
+    chain: bool = True
+
+
+DEFAULT_CONFIG = Bf16Config()
+
+
+def _tile_n(cfg: Bf16Config, out_dtype) -> int:
+    if cfg.tile_n is not None:
+        return cfg.tile_n
+    return 256 if jnp.dtype(out_dtype).itemsize == 2 else TILE
+
+
+def _stages(cfg: Bf16Config, tile_n: int) -> int:
+    return cfg.stages or (4 if tile_n == 256 else 5)
+
+
+def _epilogue_n(cfg: Bf16Config, tile_n: int) -> int:
+    return min(cfg.epilogue_n or tile_n, tile_n)
+
+
+def _store_chunks(values, out_smem, wg, store_chunk) -> None:
+    """Casts a consumer's (64, tile_n) FP32 tile and stores it in epilogue-wide chunks
+    through its shared-memory slot: store_chunk(slot, first column) issues the TMA."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    width = out_smem.shape[-1]
+    for col in range(0, values.shape[1], width):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem[wg] = values[:, col:col + width].astype(out_smem.dtype)
+        plgpu.commit_smem()
+        store_chunk(out_smem.at[wg], col)
+
+
+def _transforms():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, STEP)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool,
+                 tile_n: int, cfg: Bf16Config):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = a_gmem.shape
+    n = out_gmem.shape[1]
+    tiles_m = cdiv(m, CTA_M) + groups
+    tiles_n = cdiv(n, tile_n)  # a last partial tile: TMA zero-fills loads, clips stores
+    b_block, b_index = (((STEP, tile_n), lambda s: (s, 0)) if b_kn
+                        else ((tile_n, STEP), lambda s: (0, s)))
+
+    k_steps, stages = k // STEP, _stages(cfg, tile_n)
+    chained = cfg.chain and k_steps % stages == 0
+    # Chained pipelines cannot delay a slot's release, so each WGMMA is awaited in its
+    # own step there; the other consumer's WGMMA keeps the tensor cores busy meanwhile.
+    in_flight = 0 if chained else 1
+
+    def pipeline(body, compute_context, state=None):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((CTA_M, STEP), lambda s: (0, s), transforms=_transforms(),
+                                memory_space=plgpu.SMEM, delay_release=in_flight),
+                plgpu.BlockSpec(b_block, b_index, transforms=_transforms(),
+                                memory_space=plgpu.SMEM, delay_release=in_flight),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=compute_context,
+            pipeline_state=state,
+        )
+
+    ignore = lambda *_, **__: None
+    allocs = pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0])
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=allocs,
+        out_smem=plgpu.SMEM((2, WG_ROWS, _epilogue_n(cfg, tile_n)), out_gmem.dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm", init_carry=jnp.int32(0))
+        def _tiles(info, carry):
+            (t,) = info.index
+            mi, ni = plgpu.planar_snake(t, (tiles_m, tiles_n), 1, cfg.grid_tile_width)
+            group, block, lo, hi = tile_owner(mi, ends_gmem, groups, CTA_M)
+            row0 = block * CTA_M
+            wg_row0 = row0 + wg * WG_ROWS
+            first = jnp.clip(lo - wg_row0, 0, WG_ROWS)
+            count = jnp.clip(hi - wg_row0, 0, WG_ROWS) - first
+            def store(values):
+                width = out_smem.shape[-1]
+                _store_chunks(values, out_smem, wg, lambda slot, col: store_rows(
+                    slot, out_gmem.at[:, pl.ds(ni * tile_n + col, width)], wg_row0, first,
+                    count))
+
+            def compute_context(run):
+                @functools.partial(pl.run_scoped,
+                                   acc=plgpu.ACC((WG_ROWS, tile_n), jnp.float32))
+                def _acc(acc):
+                    run(acc)
+                    store(acc[...])
+
+            def step(_, a_smem, b_smem, acc):
+                b = b_smem if b_kn else plgpu.transpose_ref(b_smem, (1, 0))
+                plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b)
+                plgpu.wgmma_wait(in_flight)
+                return acc
+
+            runs = group < groups
+            state = None
+            if chained:
+                state = jnp.where(carry > 0, plgpu.PipelinePipeline.STEADY,
+                                  plgpu.PipelinePipeline.START)
+
+            @pl.when(runs)
+            def _real():
+                b_group = b_gmem.at[group]
+                b_cols = (b_group.at[:, pl.ds(ni * tile_n, tile_n)] if b_kn
+                          else b_group.at[pl.ds(ni * tile_n, tile_n)])
+                pipeline(step, compute_context, state)(
+                    a_gmem.at[pl.ds(row0, CTA_M)], b_cols, allocations=allocs)
+
+            @pl.when((group == groups) & (wg < 2))
+            def _zeros():
+                store(jnp.zeros((WG_ROWS, tile_n), jnp.float32))
+
+            return carry | runs.astype(jnp.int32)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _tn_kernel(bounds_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int, cfg: Bf16Config):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    groups, p, q = out_gmem.shape
+    stages = _stages(cfg, tile_q)
+    tiles_p, tiles_q = p // CTA_M, cdiv(q, tile_q)  # partial last tile as in _rows_kernel
+
+    def pipeline(body, compute_context, steps, first_block):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((STEP, CTA_M), lambda s: (first_block + s, 0),
+                                transforms=_transforms(), memory_space=plgpu.SMEM,
+                                delay_release=1),
+                plgpu.BlockSpec((STEP, tile_q), lambda s: (first_block + s, 0),
+                                transforms=_transforms(), memory_space=plgpu.SMEM,
+                                delay_release=1),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None
+    allocs = pipeline(ignore, ignore, stages, 0).get_allocations(x_gmem, y_gmem)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=allocs,
+        out_smem=plgpu.SMEM((2, WG_ROWS, _epilogue_n(cfg, tile_q)), out_gmem.dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((groups * tiles_p * tiles_q,), collective_axes="sm")
+        def _tiles(info):
+            (t,) = info.index
+            g = lax.div(t, jnp.int32(tiles_p * tiles_q))
+            pi, qi = plgpu.planar_snake(lax.rem(t, jnp.int32(tiles_p * tiles_q)),
+                                        (tiles_p, tiles_q), 1, cfg.grid_tile_width)
+            start, end = bounds_gmem[g], bounds_gmem[g + 1]
+            first_block = lax.div(start, jnp.int32(STEP))
+            blocks = jnp.where(end > start, lax.div(end - 1, jnp.int32(STEP)) - first_block + 1, 0)
+            # Rounded up to whole turns of the ring: pipelines of other lengths in a row
+            # desynchronized the ring's barrier phases (launch failures on the H100).
+            # The extra blocks hold only other groups' rows (or none), so they are masked.
+            steps = lax.div(blocks + (stages - 1), jnp.int32(stages)) * stages
+            out_rows = out_gmem.at[g, pl.ds(pi * CTA_M + wg * WG_ROWS, WG_ROWS)]
+
+            def store(values):
+                width = out_smem.shape[-1]
+                _store_chunks(values, out_smem, wg, lambda slot, col: plgpu.copy_smem_to_gmem(
+                    slot, out_rows.at[:, pl.ds(qi * tile_q + col, width)]))
+
+            def compute_context(run):
+                @functools.partial(pl.run_scoped,
+                                   acc=plgpu.ACC((WG_ROWS, tile_q), jnp.float32))
+                def _acc(acc):
+                    run(acc)
+                    store(acc[...])
+
+            def step(idx, x_smem, y_smem, acc):
+                (s,) = idx
+                row0 = (first_block + s) * STEP
+                x_half = x_smem.at[:, pl.ds(wg * WG_ROWS, WG_ROWS)]  # (rows, this WG's P)
+
+                @pl.when((row0 < start) | (row0 + STEP > end))
+                def _mask_other_groups():
+                    # Both operands, so an inf/NaN in another group's rows cannot leak
+                    # in. Each consumer masks all of y (the tile both read): the two
+                    # write identical values, so neither needs to wait for the other.
+                    for ref in (x_half, y_smem):
+                        rows = row0 + lax.broadcasted_iota(jnp.int32, ref.shape, 0)
+                        keep = (rows >= start) & (rows < end)
+                        values = ref[...]
+                        ref[...] = jnp.where(keep, values, jnp.zeros_like(values))
+                    plgpu.commit_smem()
+
+                plgpu.wgmma(acc, plgpu.transpose_ref(x_half, (1, 0)), y_smem)
+                plgpu.wgmma_wait(1)
+                return acc
+
+            @pl.when(steps > 0)
+            def _real():
+                pipeline(step, compute_context, steps, first_block)(
+                    x_gmem.at[:, pl.ds(pi * CTA_M, CTA_M)],
+                    y_gmem.at[:, pl.ds(qi * tile_q, tile_q)],
+                    allocations=allocs)
+
+            @pl.when((steps == 0) & (wg < 2))
+            def _empty_group():
+                store(jnp.zeros((WG_ROWS, tile_q), jnp.float32))
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _kernel_call(body, out_type, *operands):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    call = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(jax.devices()[0].core_count,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return call(*operands)
+
+
+def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
+                   cfg: Bf16Config | None = None) -> jax.Array:
+    """Rows of group g of a (M, K) @ b[g]: b (G, K, N) when b_kn, else b (G, N, K) used
+    transposed. Rows past sum(group_sizes) are zeros. M and K are zero-padded to the
+    tile grid and N to a multiple of 128 when needed (a copy; rare in training shapes)."""
+    cfg = cfg or DEFAULT_CONFIG
+    if a.dtype != b.dtype or a.dtype.itemsize != 2:
+        raise ValueError(f"grouped_matmul (mosaic) wants equal 16-bit a and b; got "
+                         f"{a.dtype} and {b.dtype}")
+    (m, _), groups = a.shape, b.shape[0]
+    n = b.shape[2] if b_kn else b.shape[1]
+    tile_n = _tile_n(cfg, out_dtype)
+    a = _pad_axis(_pad_axis(a, 1, STEP), 0, CTA_M)
+    b = _pad_axis(_pad_axis(b, 1, STEP), 2, TILE) if b_kn else _pad_axis(
+        _pad_axis(b, 2, STEP), 1, TILE)
+    mp, np_ = a.shape[0], (b.shape[2] if b_kn else b.shape[1])
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)]).astype(jnp.int32)
+    body = functools.partial(_rows_kernel, groups=groups, b_kn=b_kn, tile_n=tile_n, cfg=cfg)
+    out = _kernel_call(body, _out_shape((mp, np_), out_dtype, a, b), ends, a, b)
+    return out[:m, :n] if (mp, np_) != (m, n) else out
+
+
+def grouped_matmul_tn(x, y, group_sizes, *, out_dtype=jnp.bfloat16,
+                      cfg: Bf16Config | None = None) -> jax.Array:
+    """(G, P, Q): x_g^T @ y_g over each group's rows of x (M, P) and y (M, Q); groups
+    with no rows give zeros. P and Q are zero-padded to multiples of 128 when needed."""
+    cfg = cfg or DEFAULT_CONFIG
+    if x.dtype != y.dtype or x.dtype.itemsize != 2:
+        raise ValueError(f"grouped_matmul_tn (mosaic) wants equal 16-bit x and y; got "
+                         f"{x.dtype} and {y.dtype}")
+    (m, p), q, groups = x.shape, y.shape[1], group_sizes.shape[0]
+    tile_q = _tile_n(cfg, out_dtype)
+    x = _pad_axis(_pad_axis(x, 1, CTA_M), 0, STEP)
+    y = _pad_axis(_pad_axis(y, 1, TILE), 0, STEP)
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends]).astype(jnp.int32)
+    body = functools.partial(_tn_kernel, tile_q=tile_q, cfg=cfg)
+    out_type = _out_shape((groups, x.shape[1], y.shape[1]), out_dtype, x, y)
+    out = _kernel_call(body, out_type, bounds, x, y)
+    return out[:, :p, :q] if out.shape[1:] != (p, q) else out

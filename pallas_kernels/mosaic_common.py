@@ -1,0 +1,61 @@
+"""Pieces shared by the Mosaic GPU (Hopper WGMMA) grouped GEMM kernels.
+
+Both the FP8 and the BF16 kernels walk the same persistent grid of (row tile, column
+tile) visits, where a row tile that straddles groups is visited once per group, and
+store only the visit's rows with a ladder of power-of-two TMA stores.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+WG_ROWS = 64  # rows per consumer warpgroup (the WGMMA M)
+CTA_M = 2 * WG_ROWS  # two consumer warpgroups stacked along M
+
+
+def available() -> bool:
+    """True on a Hopper GPU with a jax whose Mosaic GPU Pallas has what this kernel uses."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if device.platform != "gpu" or getattr(device, "compute_capability", "") != "9.0":
+        return False
+    return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def tile_owner(t, ends_gmem, groups: int, block_m: int):
+    """(group, row block, first row, end row) of visit t; group == groups means the
+    zero rows past the last group. Unrolled over the G+1 boundaries (static loads)."""
+    i32 = jnp.int32
+    group = block = lo = hi = i32(0)
+    offset = start = i32(0)
+    for g in range(groups + 1):
+        end = ends_gmem[g]
+        first = lax.div(start, i32(block_m))
+        count = jnp.where(end > start, lax.div(end - 1, i32(block_m)) - first + 1, 0)
+        hit = (offset <= t) & (t < offset + count)
+        group = lax.select(hit, i32(g), group)
+        block = lax.select(hit, first + t - offset, block)
+        lo = lax.select(hit, start, lo)
+        hi = lax.select(hit, end, hi)
+        offset = offset + count
+        start = end
+    return group, block, lo, hi
+
+
+def store_rows(smem, gmem, first_row, lo, count) -> None:
+    """Stores smem rows [lo, lo + count) to gmem rows first_row + lo ... as a ladder of
+    power-of-two TMA stores (descriptors need static box sizes)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    size, offset = WG_ROWS, lo
+    while size >= 1:
+        @pl.when((count & size) != 0)
+        def _store(offset=offset, size=size):
+            plgpu.copy_smem_to_gmem(smem.at[pl.ds(offset, size)],
+                                    gmem.at[pl.ds(first_row + offset, size)])
+        offset = offset + (count & size)
+        size //= 2
