@@ -40,11 +40,12 @@ class Bf16Config:
     """tile_n: output columns per CTA (None: 256 for 2-byte outputs, else 128); each
     consumer holds a 64 x tile_n FP32 accumulator. stages: ring depth (None: 4 at
     tile_n = 256, where one stage is 48 KB; 5 at 128). epilogue_n: columns a consumer
-    stages in shared memory per TMA store (None: 128), so four stages fit. chain (fprop
-    and dgrad): the producer runs on into the next tile's K steps while the consumers
-    store this one, when the ring depth divides the K steps. grid_tile_width: width of
-    the snake over output tiles (L2 reuse). Defaults: the best or within noise (~5%) of
-    the best of a sweep on the H100 bench shapes (docs/performance.md, 2026-11-23)."""
+    stages in shared memory per TMA store (128, so four stages fit; None: the whole
+    tile). chain (fprop and dgrad): the producer runs on into the next tile's K steps
+    while the consumers store this one, when the ring depth divides the K steps.
+    grid_tile_width: width of the snake over output tiles (L2 reuse). Defaults: the best,
+    or within noise (~5%) of it, in a sweep on the H100 bench shapes
+    (docs/performance.md, 2026-11-23)."""
 
     tile_n: int | None = None
     stages: int | None = None
