@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.mosaic_common import CTA_M, WG_ROWS, store_rows, tile_owner
+from pallas_kernels.mosaic_common import CTA_M, WG_ROWS, store_rows, visit_rows
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -142,11 +142,7 @@ def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool
         def _tiles(info, carry):
             (t,) = info.index
             mi, ni = plgpu.planar_snake(t, (tiles_m, tiles_n), 1, cfg.grid_tile_width)
-            group, block, lo, hi = tile_owner(mi, ends_gmem, groups, CTA_M)
-            row0 = block * CTA_M
-            wg_row0 = row0 + wg * WG_ROWS
-            first = jnp.clip(lo - wg_row0, 0, WG_ROWS)
-            count = jnp.clip(hi - wg_row0, 0, WG_ROWS) - first
+            group, row0, wg_row0, first, count = visit_rows(mi, wg, ends_gmem, groups)
             def store(values):
                 width = out_smem.shape[-1]
                 _store_chunks(values, out_smem, wg, lambda slot, col: store_rows(

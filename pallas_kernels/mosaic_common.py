@@ -45,6 +45,18 @@ def tile_owner(t, ends_gmem, groups: int, block_m: int):
     return group, block, lo, hi
 
 
+def visit_rows(mi, wg, ends_gmem, groups: int):
+    """Row geometry of row visit mi for consumer warpgroup wg: (group, first row of the
+    CTA tile, first row of the warpgroup's 64-row slice, first and count of the visit's
+    rows within that slice)."""
+    group, block, lo, hi = tile_owner(mi, ends_gmem, groups, CTA_M)
+    row0 = block * CTA_M
+    wg_row0 = row0 + wg * WG_ROWS
+    first = jnp.clip(lo - wg_row0, 0, WG_ROWS)
+    count = jnp.clip(hi - wg_row0, 0, WG_ROWS) - first
+    return group, row0, wg_row0, first, count
+
+
 def store_rows(smem, gmem, first_row, lo, count) -> None:
     """Stores smem rows [lo, lo + count) to gmem rows first_row + lo ... as a ladder of
     power-of-two TMA stores (descriptors need static box sizes)."""

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.mosaic_common import CTA_M, WG_ROWS, store_rows, tile_owner
+from pallas_kernels.mosaic_common import CTA_M, WG_ROWS, store_rows, visit_rows
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -123,12 +123,7 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
         def _tiles(info, carry):
             (t,) = info.index
             mi, ni = plgpu.planar_snake(t, (tiles_m, tiles_n), 1, cfg.grid_tile_width)
-            group, block, lo, hi = tile_owner(mi, ends_gmem, groups, CTA_M)
-            row0 = block * CTA_M
-            wg_row0 = row0 + wg * WG_ROWS
-            # This warpgroup's rows of the visit, relative to its 64-row slice.
-            first = jnp.clip(lo - wg_row0, 0, WG_ROWS)
-            count = jnp.clip(hi - wg_row0, 0, WG_ROWS) - first
+            group, row0, wg_row0, first, count = visit_rows(mi, wg, ends_gmem, groups)
             out_cols = out_gmem.at[:, pl.ds(ni * TILE_N, TILE_N)]
             wg_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
 
