@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.mosaic_common import CTA_M, WG_ROWS, store_rows, visit_rows
+from pallas_kernels.group_schedule import group_bounds
+from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, store_rows,
+                                           tile_visit, visit_ends)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -140,9 +142,8 @@ def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool
 
         @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):
-            (t,) = info.index
-            mi, ni = plgpu.planar_snake(t, (tiles_m, tiles_n), 1, cfg.grid_tile_width)
-            group, row0, wg_row0, first, count = visit_rows(mi, wg, ends_gmem, groups)
+            ni, group, row0, wg_row0, first, count = tile_visit(
+                info, tiles_m, tiles_n, cfg.grid_tile_width, wg, ends_gmem, groups)
             def store(values):
                 width = out_smem.shape[-1]
                 _store_chunks(values, out_smem, wg, lambda slot, col: store_rows(
@@ -163,10 +164,7 @@ def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool
                 return acc
 
             runs = group < groups
-            state = None
-            if chained:
-                state = jnp.where(carry > 0, plgpu.PipelinePipeline.STEADY,
-                                  plgpu.PipelinePipeline.START)
+            state = chained_state(chained, carry)
 
             @pl.when(runs)
             def _real():
@@ -185,7 +183,7 @@ def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _tn_kernel(bounds_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int, cfg: Bf16Config):
+def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int, cfg: Bf16Config):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -230,7 +228,7 @@ def _tn_kernel(bounds_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int, cfg: Bf16C
             g = lax.div(t, jnp.int32(tiles_p * tiles_q))
             pi, qi = plgpu.planar_snake(lax.rem(t, jnp.int32(tiles_p * tiles_q)),
                                         (tiles_p, tiles_q), 1, cfg.grid_tile_width)
-            start, end = bounds_gmem[g], bounds_gmem[g + 1]
+            start, end = starts_gmem[g], ends_gmem[g]
             first_block = lax.div(start, jnp.int32(STEP))
             blocks = jnp.where(end > start, lax.div(end - 1, jnp.int32(STEP)) - first_block + 1, 0)
             # Rounded up to whole turns of the ring: pipelines of other lengths in a row
@@ -318,8 +316,7 @@ def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
     b = _pad_axis(_pad_axis(b, 1, STEP), 2, TILE) if b_kn else _pad_axis(
         _pad_axis(b, 2, STEP), 1, TILE)
     mp, np_ = a.shape[0], (b.shape[2] if b_kn else b.shape[1])
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)]).astype(jnp.int32)
+    ends = visit_ends(group_sizes, m)
     body = functools.partial(_rows_kernel, groups=groups, b_kn=b_kn, tile_n=tile_n, cfg=cfg)
     out = _kernel_call(body, _out_shape((mp, np_), out_dtype, a, b), ends, a, b)
     return out[:m, :n] if (mp, np_) != (m, n) else out
@@ -337,9 +334,8 @@ def grouped_matmul_tn(x, y, group_sizes, *, out_dtype=jnp.bfloat16,
     tile_q = _tile_n(cfg, out_dtype)
     x = _pad_axis(_pad_axis(x, 1, CTA_M), 0, STEP)
     y = _pad_axis(_pad_axis(y, 1, TILE), 0, STEP)
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends]).astype(jnp.int32)
+    starts, ends = group_bounds(group_sizes.astype(jnp.int32), m)
     body = functools.partial(_tn_kernel, tile_q=tile_q, cfg=cfg)
     out_type = _out_shape((groups, x.shape[1], y.shape[1]), out_dtype, x, y)
-    out = _kernel_call(body, out_type, bounds, x, y)
+    out = _kernel_call(body, out_type, starts, ends, x, y)
     return out[:, :p, :q] if out.shape[1:] != (p, q) else out

@@ -45,16 +45,39 @@ def tile_owner(t, ends_gmem, groups: int, block_m: int):
     return group, block, lo, hi
 
 
-def visit_rows(mi, wg, ends_gmem, groups: int):
-    """Row geometry of row visit mi for consumer warpgroup wg: (group, first row of the
-    CTA tile, first row of the warpgroup's 64-row slice, first and count of the visit's
-    rows within that slice)."""
+def visit_ends(group_sizes: jax.Array, m: int) -> jax.Array:
+    """(G + 1,) end row of each group, then of the zero rows past the last group: what
+    `tile_owner` walks."""
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    return jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)]).astype(jnp.int32)
+
+
+def tile_visit(info, tiles_m: int, tiles_n: int, grid_tile_width: int, wg, ends_gmem,
+               groups: int):
+    """The (row visit, column tile) of an `nd_loop` step over the persistent grid, as
+    (column tile, group, first row of the CTA tile, first row of the warpgroup's 64-row
+    slice, first and count of the visit's rows within that slice)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    (t,) = info.index
+    mi, ni = plgpu.planar_snake(t, (tiles_m, tiles_n), 1, grid_tile_width)
     group, block, lo, hi = tile_owner(mi, ends_gmem, groups, CTA_M)
     row0 = block * CTA_M
     wg_row0 = row0 + wg * WG_ROWS
     first = jnp.clip(lo - wg_row0, 0, WG_ROWS)
     count = jnp.clip(hi - wg_row0, 0, WG_ROWS) - first
-    return group, row0, wg_row0, first, count
+    return ni, group, row0, wg_row0, first, count
+
+
+def chained_state(chained: bool, ran_before):
+    """Pipeline state of a chained visit: START on a CTA's first pipeline, else STEADY
+    (the producer is already running ahead); None when pipelines are not chained."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not chained:
+        return None
+    return jnp.where(ran_before > 0, plgpu.PipelinePipeline.STEADY,
+                     plgpu.PipelinePipeline.START)
 
 
 def store_rows(smem, gmem, first_row, lo, count) -> None:

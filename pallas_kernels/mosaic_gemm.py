@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.mosaic_common import CTA_M, WG_ROWS, store_rows, visit_rows
+from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, store_rows,
+                                           tile_visit, visit_ends)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -121,9 +122,8 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
 
         @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):
-            (t,) = info.index
-            mi, ni = plgpu.planar_snake(t, (tiles_m, tiles_n), 1, cfg.grid_tile_width)
-            group, row0, wg_row0, first, count = visit_rows(mi, wg, ends_gmem, groups)
+            ni, group, row0, wg_row0, first, count = tile_visit(
+                info, tiles_m, tiles_n, cfg.grid_tile_width, wg, ends_gmem, groups)
             out_cols = out_gmem.at[:, pl.ds(ni * TILE_N, TILE_N)]
             wg_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
 
@@ -151,10 +151,7 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                 return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
             runs = group < groups
-            state = None
-            if chained:
-                state = jnp.where(carry > 0, plgpu.PipelinePipeline.STEADY,
-                                  plgpu.PipelinePipeline.START)
+            state = chained_state(chained, carry)
 
             @pl.when(runs)
             def _real():
@@ -193,8 +190,7 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
     b = _pad_axis(_pad_axis(b, 2, TILE), 1, TILE_N)
     mp, np_ = a.shape[0], b.shape[1]
     # End row of each group, then of the zero rows past the last group.
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)]).astype(jnp.int32)
+    ends = visit_ends(group_sizes, m)
     # (G, K/128, N/128 * 64): each block scale repeated for the 64 rows of a warpgroup.
     b_scale_rows = jnp.repeat(jnp.swapaxes(b_scale, 1, 2), WG_ROWS, axis=2)
     sms = jax.devices()[0].core_count
