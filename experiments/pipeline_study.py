@@ -92,7 +92,7 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
     print(f"executor on {mesh} ({args.preset}, {problem.config.num_hidden_layers} layers, "
           f"batch {args.batch} x seq {args.seq}, {args.dtype})")
     print(f"{'schedule':<10} {'step ms':>9} {'ticks':>5} {'sum ticks ms':>12} "
-          f"{'bubble/rank (measured)':<30} loss")
+          f"{'bubble/rank (measured)':<30} {'layers held/rank':<17} {'act buf/rank':<13} loss")
     bubbles = {}
     names = args.schedules.split(",")
     if unknown := sorted(set(names) - set(SCHEDULES)):
@@ -107,9 +107,14 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
         m = measure_schedule(problem, name, mesh, args.microbatches, args.repeats, profile)
         bubbles[name] = max(m.bubble_fraction)
         per_rank = ",".join(f"{b:.1%}" for b in m.bubble_fraction)
+        held = ",".join(map(str, m.layers_held))
+        buffers = ",".join(map(str, m.act_entries))
         print(f"{name:<10} {m.step_s * 1e3:>9.2f} {len(m.tick_s):>5} "
-              f"{sum(m.tick_s) * 1e3:>12.2f} {per_rank:<30} {m.loss:.5f}")
-    print()
+              f"{sum(m.tick_s) * 1e3:>12.2f} {per_rank:<30} {held:<17} {buffers:<13} "
+              f"{m.loss:.5f}")
+    print(f"layers held: rows of the stacked layers a rank's stages hold during the step "
+          f"(of {problem.config.num_hidden_layers}); act buf: stage inputs its buffer "
+          "holds at once (the executor's allocation)\n")
     return bubbles
 
 
@@ -124,6 +129,7 @@ def _use_latency_hiding_scheduler() -> None:
 
 def _fb_pair(args: argparse.Namespace) -> None:
     # jax starts here, after _use_simulated_devices and _use_latency_hiding_scheduler
+    from moejax.parallel.expert import ExpertParallelOptions, expert_parallel_options
     from moejax.parallel.mesh import MeshSpec
     from moejax.parallel.pipeline.measure import fb_pair, make_problem
 
@@ -131,16 +137,24 @@ def _fb_pair(args: argparse.Namespace) -> None:
     if mesh.pipe != 1:
         raise SystemExit(f"--fb-pair --mesh {args.mesh}: runs without a pipe axis")
     problem = make_problem(args.preset, args.layers or 4, 2 * args.batch, args.seq, args.dtype)
-    r = fb_pair(problem, mesh, args.repeats, pathlib.Path(args.profile) if args.profile
-                else None)
+    options = ExpertParallelOptions(transport=args.transport)
+    with expert_parallel_options(options):
+        results = fb_pair(problem, mesh, args.repeats,
+                          pathlib.Path(args.profile) if args.profile else None)
     print(f"F&B pair on {mesh} ({args.preset}, forward and backward of "
           f"{problem.config.num_moe_layers} MoE block(s), two micro-batches of {args.batch} x "
-          f"{args.seq}, {args.dtype})")
-    print(f"interleaved pair {r.pair_s * 1e3:.2f} ms; sequential chunks "
-          f"{r.sequential_s * 1e3:.2f} ms; pair speed-up {r.sequential_s / r.pair_s:.3f}x")
-    if r.exposed_comm_ms is not None:
-        print(f"trace: pair busy {r.pair_busy_ms:.2f} ms, exposed communication "
-              f"{r.exposed_comm_ms:.3f} ms = {r.exposed_comm_ms / r.pair_busy_ms:.1%} of the pair")
+          f"{args.seq}, {args.dtype}, {options.resolved_transport()} transport)")
+    print(f"{'order':<11} {'ms':>8} {'vs sequential':>13} {'busy ms':>8} {'compute ms':>10} "
+          f"{'exposed comm ms':>15} {'exposed / busy':>14}")
+    base = results["sequential"].wall_s
+    for order, r in results.items():
+        trace = ("" if r.busy_ms is None else
+                 f"{r.busy_ms:>8.2f} {r.compute_ms:>10.2f} {r.exposed_comm_ms:>15.3f} "
+                 f"{r.exposed_comm_ms / r.busy_ms:>14.1%}")
+        print(f"{order:<11} {r.wall_s * 1e3:>8.2f} {base / r.wall_s:>12.3f}x {trace}")
+    print("lockstep: forward and backward pieces paired step by step (barriers); free: "
+          "both chains without barriers; sequential: the backward after the forward. "
+          "Trace columns per pair (--profile).")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", help="compute dtype")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
     parser.add_argument("--profile", help="write jax.profiler traces under this folder")
+    parser.add_argument("--transport", default="auto", help="--fb-pair: token exchange "
+                        "(auto: ragged on GPU, padded on CPU; ragged; padded)")
     args = parser.parse_args(argv)
     if args.measure or args.fb_pair:
         _use_simulated_devices(8)

@@ -3,7 +3,7 @@
 Oracle: ``run_stack`` over the model's MoE blocks under the same mesh (the expert-parallel
 layer of ``moejax.parallel.expert``), its outputs and ``jax.vjp``, on random hidden
 states, biases and cotangents. The pair runs a 2-block forward of micro-batch A with a
-1-block backward of micro-batch B (a different block), interleaved and sequential, on
+1-block backward of micro-batch B (a different block), in each order, on
 8 simulated devices (data=2, expert=4).
 """
 
@@ -22,7 +22,7 @@ from moejax.model import DeepseekV3
 from moejax.model.rope import rope_tables
 from moejax.model.transformer import run_stack
 from moejax.parallel.mesh import MeshSpec, build_mesh
-from moejax.parallel.pipeline.fb_pair import Stack, run_pair
+from moejax.parallel.pipeline.fb_pair import ORDERS, Stack, run_pair
 
 BATCH, SEQ = 8, 8
 MESH = MeshSpec(data=2, expert=4)
@@ -55,14 +55,14 @@ def setup():
             lambda p, x: reference(s._replace(params=p), x)[0], s.params, h)[1](
                 (d_h, d_balance)))(one, h_b)
 
-        def pair(interleave):
+        def pair(order):
             fn = jax.jit(lambda *args: run_pair(graphdef, config, forward=args[:2],
-                                                backward=args[2:], interleave=interleave))
+                                                backward=args[2:], order=order))
             args = (stack, h_a, one, saved, d_h, d_balance)
             compiled = fn.lower(*args).compile()
             return compiled(*args), compiled.as_text()
 
-        runs = {mode: pair(mode) for mode in (True, False)}
+        runs = {order: pair(order) for order in ORDERS}
     return ref_h, ref_stats, ref_d_h, ref_d_params, runs
 
 
@@ -75,10 +75,10 @@ def _close(actual, expected, rtol):
         assert float(jnp.max(jnp.abs(a - e))) <= rtol * scale
 
 
-@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "sequential"])
-def test_pair_equals_the_model_blocks(setup, interleave):
+@pytest.mark.parametrize("order", ORDERS)
+def test_pair_equals_the_model_blocks(setup, order):
     ref_h, ref_stats, ref_d_h, ref_d_params, runs = setup
-    (f, b), _ = runs[interleave]
+    (f, b), _ = runs[order]
     _close(f.h, ref_h, 1e-5)
     np.testing.assert_array_equal(f.counts, ref_stats.counts)
     np.testing.assert_allclose(f.balance, ref_stats.balance_loss, rtol=1e-5)
@@ -87,12 +87,13 @@ def test_pair_equals_the_model_blocks(setup, interleave):
     _close(b.d_params, ref_d_params, 1e-4)
 
 
-def test_interleaved_equals_sequential_and_recomputes_no_exchange(setup):
-    """Same numbers either way; each chunk's exchanges appear once in the program: the
+def test_orders_agree_and_recompute_no_exchange(setup):
+    """Same numbers in every order; each chunk's exchanges appear once in the program: the
     forward's three all_to_alls (rows and expert ids out, rows back) per block, and the
     backward's two (rows back, rows out) per block, none re-run by the pieces' remat."""
     *_, runs = setup
-    (interleaved, text_i), (sequential, text_s) = runs[True], runs[False]
-    _close(interleaved, sequential, 1e-6)
-    for text in (text_i, text_s):
+    sequential, _ = runs["sequential"]
+    for order in ORDERS:
+        result, text = runs[order]
+        _close(result, sequential, 1e-6)
         assert text.count(" all-to-all(") == 3 * 2 + 2 * 1

@@ -20,7 +20,8 @@ from moejax.config import ConfigError, get_model_preset
 from moejax.model import DeepseekV3, RouterBias
 from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.parallel.pipeline import SCHEDULES, build
-from moejax.parallel.pipeline.executor import PipelineExecutor, tick_tables
+from moejax.parallel.pipeline.executor import PipelineExecutor
+from moejax.parallel.pipeline.tables import tick_tables
 from moejax.parallel.pipeline.stages import StagePlan
 from moejax.parallel.sharding import batch_sharding, state_shardings
 from moejax.train.step import losses
@@ -36,7 +37,9 @@ CASES = [(name, MeshSpec(pipe=2, data=2, expert=2)) for name in SCHEDULES] + [
     ("dualpipe", MeshSpec(pipe=4, expert=2)), ("dualpipev", MeshSpec(pipe=4, data=2))]
 
 def _config():
-    return dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=8)
+    """Nine layers: one dense block (stored whole on every pipe rank) and eight MoE blocks
+    (stored split over pipe=2 and pipe=4), in stages of uneven size."""
+    return dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=9)
 
 
 @pytest.fixture(scope="module")
@@ -89,39 +92,47 @@ def test_executor_matches_whole_batch_step(problem, name, spec):
 def test_tables_deliver_every_input_before_its_use(name, ranks, microbatches):
     """Replays the tables with tags instead of tensors: every F reads the activation the
     previous stage made for the same micro-batch, every B the gradient of the next stage,
-    and every chunk of the schedule runs exactly once."""
+    no arrival overwrites an entry still in use, every chunk of the schedule runs exactly
+    once, and each rank's buffers stay within the schedule's activation bound + 1."""
     schedule = build(name, ranks, microbatches)
     tables = tick_tables(schedule)
+    rows = tables.rows
     last = schedule.num_stages - 1
     acts: dict = {}
     grads: dict = {}
     ran = []
-    for t in range(len(tables["f"])):
+    for t in range(tables.num_ticks):
         f_out, b_out = [None] * ranks, [None] * ranks
         for r in range(ranks):
-            on, stage, slot, mb = tables["f"][t, r]
+            on, stage, entry, mb = rows["f"][t, r]
             if on:
                 if stage > 0:
-                    assert acts.pop((r, slot, mb)) == ("act", stage, mb)
+                    assert acts[(r, entry)] == ("act", stage, mb)
                 f_out[r] = ("act", stage + 1, mb) if stage < last else None
                 ran.append(("F", stage, mb))
-            on, stage, slot, mb = tables["b"][t, r]
+            on, stage, act, grad, mb = rows["b"][t, r]
             if on:
+                if stage > 0:
+                    assert acts.pop((r, act)) == ("act", stage, mb)
                 if stage < last:
-                    assert grads.pop((r, slot, mb)) == ("grad", stage, mb)
+                    assert grads.pop((r, grad)) == ("grad", stage, mb)
                 b_out[r] = ("grad", stage - 1, mb) if stage > 0 else None
                 ran.append(("B", stage, mb))
-        for store, outs, kind in ((acts, f_out, "act"), (grads, b_out, "grad")):
+        for store, outs, kind, sizes in ((acts, f_out, "act", tables.act_entries),
+                                         (grads, b_out, "grad", tables.grad_entries)):
             for r in range(ranks):
                 for source, src in (("left", r - 1), ("right", r + 1), ("local", r)):
-                    on, slot, mb = tables[f"{kind}_{source}"][t, r]
+                    on, entry = rows[f"{kind}_{source}"][t, r]
                     if on:
-                        assert outs[src] is not None and outs[src][2] == mb
-                        store[(r, slot, mb)] = outs[src]
+                        assert outs[src] is not None
+                        assert (r, entry) not in store and entry < sizes[r]
+                        store[(r, entry)] = outs[src]
     assert not acts and not grads
     expected = [(k, s, mb) for k in "FB" for s in range(schedule.num_stages)
                 for mb in range(microbatches)]
     assert sorted(ran) == sorted(expected)
+    assert all(n <= bound + 1 for n, bound in zip(tables.act_entries,
+                                                  schedule.activation_bounds))
 
 
 def test_stage_plan_splits_layers_contiguously_and_rejects_too_many_stages():

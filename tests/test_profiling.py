@@ -41,6 +41,7 @@ def test_split_and_exposed_communication(tmp_path):
     assert t.total_busy_ms == pytest.approx(0.022)
     # exchange 5..20 minus compute under it (5..10 gemm, 12..16 gather) = 20 - 5 - 9 = 6 us
     assert t.exposed_communication_ms == pytest.approx(0.006)
+    assert t.compute_ms == pytest.approx(0.016)  # 0..10, 12..16, 30..32
     assert profiling.device_time(events, "/device:GPU:1").exposed_communication_ms == \
         pytest.approx(0.1)
 

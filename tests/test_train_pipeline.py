@@ -3,7 +3,8 @@ data=1``, and a checkpoint written under one schedule resumes under another.
 
 Oracle: the same CLI on one device (the whole-batch step), same seed and data order.
 One chain of three runs, one step each (every run compiles its schedule's step and saves
-a checkpoint, the bulk of the time), 8 layers (DualPipeV on 4 ranks needs 8 stages).
+a checkpoint, the bulk of the time), 9 layers (DualPipeV on 4 ranks needs 8 stages; the 8
+MoE blocks are stored split over pipe=4, so resuming moves them between schedules' stages).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from experiments import train
 
-COMMON = ["--preset", "tiny", "--set", "model.num_hidden_layers=8", "--set", "train.seq_len=16",
+COMMON = ["--preset", "tiny", "--set", "model.num_hidden_layers=9", "--set", "train.seq_len=16",
           "--set", "train.batch_size=16", "--set", "train.warmup_steps=0",
           "--set", "train.schedule_steps=3",  # the same LR per step whatever --steps says
           "--set", "train.eval_every=0", "--set", "checkpoint.every=2",

@@ -98,6 +98,7 @@ class DeviceTime(NamedTuple):
     busy_ms: dict[str, float]  # per category: union of its kernels' time
     total_busy_ms: float  # union over all kernels
     exposed_communication_ms: float  # communication while no other kernel runs
+    compute_ms: float  # union of every kernel that is not communication
 
 
 def device_time(events: list[KernelEvent], device: str | None = None) -> DeviceTime:
@@ -114,7 +115,8 @@ def device_time(events: list[KernelEvent], device: str | None = None) -> DeviceT
     communication = spans["communication"]
     exposed = _union_us(communication) - _covered_us(communication, compute)
     return DeviceTime({c: _union_us(spans[c]) / 1e3 for c in CATEGORIES},
-                      _union_us([s for v in spans.values() for s in v]) / 1e3, exposed / 1e3)
+                      _union_us([s for v in spans.values() for s in v]) / 1e3, exposed / 1e3,
+                      _union_us(compute) / 1e3)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -141,4 +143,4 @@ def profile(fn: Callable[[], object], log_dir: str | pathlib.Path, repeats: int 
     t = device_time(load_kernel_events(log_dir))
     per = lambda ms: ms / repeats  # noqa: E731
     return DeviceTime({c: per(v) for c, v in t.busy_ms.items()}, per(t.total_busy_ms),
-                      per(t.exposed_communication_ms))
+                      per(t.exposed_communication_ms), per(t.compute_ms))

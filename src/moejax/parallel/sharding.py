@@ -5,8 +5,9 @@ Parameters are named by what their dims mean ('embed', 'expert', 'mlp', ...); th
 say which mesh axis (if any) each meaning is split over. ZeRO-3 splits parameters and
 optimizer state over ``data`` (XLA gathers each layer's weights inside the scan when it
 needs them); ZeRO-1 keeps parameters replicated over ``data`` and splits only the optimizer
-state. Experts are split over ``expert`` either way. A dim that the mesh axis does not
-divide stays whole rather than failing.
+state. Experts are split over ``expert`` either way. The stacked layer axis is split over
+``pipe`` (``parallel.pipeline.placement`` fetches each rank's stage rows in the step).
+A dim that the mesh axis does not divide stays whole rather than failing.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def logical_to_mesh(zero: ZeroStage) -> dict[str, str | None]:
         "vocab": "tensor",
         "mlp": "tensor",
         "heads": "tensor",
-        "layers": None,  # the pipeline executor owns the layer axis
+        "layers": "pipe",  # stored in blocks; the pipeline executor fetches its stages' rows
     }
 
 

@@ -59,8 +59,11 @@ How XLA is led to overlap them:
    piece's backward gives this device's partial gradients and no collective sits inside a
    compute piece).
 
-``interleave=False`` runs the same pieces with one barrier between the chains (the
-backward's inputs wait for the forward's outputs): the sequential baseline.
+``order`` picks among three ways to run the same pieces (:data:`ORDERS`): ``lockstep``
+(the steps above, barriers between steps), ``free`` (both chains traced side by side with
+no barrier: only the data dependencies, so XLA may fuse across piece boundaries and place
+each exchange wherever its scheduler likes) and ``sequential`` (one barrier between the
+chains: the backward's inputs wait for the forward's outputs; the baseline).
 FP8 token transport is not supported here (its exchange is fused with quantisation in one
 custom VJP).
 """
@@ -247,10 +250,13 @@ def _backward_steps(ctx: Context, stack: "Stack", d_balance: jax.Array) -> list[
     return steps
 
 
+ORDERS = ("lockstep", "free", "sequential")
+
+
 def _run(forward: list[Step], backward: list[Step], f: ForwardState, b: BackwardState,
-         interleave: bool) -> tuple[ForwardState, BackwardState]:
+         order: str) -> tuple[ForwardState, BackwardState]:
     barrier = jax.lax.optimization_barrier
-    if not interleave:
+    if order == "sequential":
         for step in forward:
             f = step(f)
         f, b = barrier((f, b))
@@ -260,7 +266,8 @@ def _run(forward: list[Step], backward: list[Step], f: ForwardState, b: Backward
     for k in range(max(len(forward), len(backward))):
         f = forward[k](f) if k < len(forward) else f
         b = backward[k](b) if k < len(backward) else b
-        f, b = barrier((f, b))
+        if order == "lockstep":
+            f, b = barrier((f, b))
     return f, b
 
 
@@ -302,9 +309,9 @@ def _param_specs(params: nnx.State) -> nnx.State:
 def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
              forward: tuple[Stack, jax.Array] | None = None,
              backward: tuple[Stack, Any, jax.Array, jax.Array] | None = None,
-             interleave: bool = True) -> tuple[Forward | None, Backward | None]:
+             order: str = "lockstep") -> tuple[Forward | None, Backward | None]:
     """A forward chunk ``(stack, h)`` and a backward chunk ``(stack, saved, d_h, d_balance)``
-    of MoE-block stacks, interleaved (or, with ``interleave=False``, one after the other).
+    of MoE-block stacks, run in ``order`` (one of :data:`ORDERS`).
 
     Either chunk may be None (a lone forward gives the ``saved`` a backward takes).
     ``d_h`` is the cotangent of the stack's output, ``d_balance`` (L,) that of its
@@ -315,6 +322,8 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
     if current_options().token_format != "compute":
         raise ConfigError(f"token_format={current_options().token_format!r}: the F&B pair "
                           "supports only 'compute' (FP8 transport fuses its exchange)")
+    if order not in ORDERS:
+        raise ValueError(f"run_pair: order={order!r}; choose from {ORDERS}")
     if forward is None and backward is None:
         raise ValueError("run_pair: give a forward chunk, a backward chunk, or both")
     h_any = forward[1] if forward is not None else backward[2]
@@ -342,7 +351,7 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
             b_steps = _backward_steps(ctx, stack._replace(
                 params=varying_over(stack.params, batch_axes)), d_balance)
             b = BackwardState({"h": d_h}, {}, jax.tree.map(lambda a: a[0], saved))
-        f, b = _run(f_steps, b_steps, f, b, interleave)
+        f, b = _run(f_steps, b_steps, f, b, order)
         return _forward_out(f, batch_axes), _backward_out(b, b_in, batch_axes)
 
     specs = lambda stack: Stack(_param_specs(stack.params), P())  # noqa: E731

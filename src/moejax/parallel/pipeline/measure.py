@@ -28,7 +28,7 @@ from moejax.config import ModelConfig, get_model_preset
 from moejax.model import DeepseekV3, RouterBias
 from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.parallel.pipeline.executor import PipelineExecutor
-from moejax.parallel.pipeline.fb_pair import Stack, run_pair
+from moejax.parallel.pipeline.fb_pair import ORDERS, Stack, run_pair
 from moejax.parallel.pipeline.schedule import build
 from moejax.profiling import median_seconds, profile
 
@@ -61,6 +61,8 @@ class Measured(NamedTuple):
     tick_s: tuple[float, ...]  # each tick's wall time (host waits after each)
     bubble_fraction: tuple[float, ...]  # per rank: idle ticks' time / all ticks' time
     loss: float
+    layers_held: tuple[int, ...]  # per rank: layer rows its stages hold during the step
+    act_entries: tuple[int, ...]  # per rank: stage inputs its activation buffer holds
 
 
 def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: int,
@@ -80,22 +82,29 @@ def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: 
     total = sum(ticks)
     bubbles = tuple(sum(t for t, idle in zip(ticks, executor.idle_ticks(r)) if idle) / total
                     for r in range(mesh.pipe))
-    return Measured(step_s, tuple(ticks), bubbles, float(result.total))
+    held = tuple(sum(len(s.held[r]) for s in executor.placement.stacks.values())
+                 for r in range(mesh.pipe))
+    return Measured(step_s, tuple(ticks), bubbles, float(result.total), held,
+                    executor.tables.act_entries)
 
 
-class PairResult(NamedTuple):
-    pair_s: float  # F(A) interleaved with B(B), piece by piece
-    sequential_s: float  # the same pieces, B's backward after A's forward
-    pair_busy_ms: float | None  # device busy time of one pair (from the trace)
+class OrderResult(NamedTuple):
+    """One way of running the pair's pieces (``fb_pair.ORDERS``)."""
+
+    wall_s: float  # median wall time of one pair
+    busy_ms: float | None  # device busy time per pair (trace; None without a profile)
     exposed_comm_ms: float | None  # communication under no compute, per pair (trace)
+    compute_ms: float | None  # time with a non-communication kernel running (trace)
 
 
 def fb_pair(problem: Problem, mesh: MeshSpec, repeats: int = 10,
-            profile_dir: pathlib.Path | None = None) -> PairResult:
+            profile_dir: pathlib.Path | None = None,
+            orders: tuple[str, ...] = ORDERS) -> dict[str, OrderResult]:
     """Times an F&B pair of the model's MoE blocks on ``mesh`` (no pipe axis): the forward
     of micro-batch A (first half of ``problem.tokens``) with the backward of micro-batch B
-    (second half; its residuals from its own forward, run beforehand), interleaved piece
-    by piece (``fb_pair.run_pair``) vs one after the other."""
+    (second half; its residuals from its own forward, run beforehand), in each of
+    ``orders`` (``lockstep``: piece by piece, ``free``: no barriers, ``sequential``: one
+    chunk after the other). With ``profile_dir``, each order is traced too."""
     config = problem.config
     model = nnx.merge(problem.graphdef, problem.params, problem.biases)
     graphdef, blocks = nnx.split(model.moe_blocks)
@@ -106,23 +115,25 @@ def fb_pair(problem: Problem, mesh: MeshSpec, repeats: int = 10,
     d_h = 1e-3 * jax.random.normal(jax.random.key(0), h_b.shape, h_b.dtype)
     d_balance = jnp.full((config.num_moe_layers,), config.aux_loss_alpha, jnp.float32)
 
-    def chunks(interleave: bool):
+    def chunks(order: str):
         return jax.jit(lambda stack, h_a, saved, d_h, d_balance: run_pair(
             graphdef, config, forward=(stack, h_a), backward=(stack, saved, d_h, d_balance),
-            interleave=interleave))
+            order=order))
 
+    results = {}
     with jax.set_mesh(build_mesh(mesh, jax.devices()[:mesh.size])):
         saved = jax.jit(lambda stack, h: run_pair(graphdef, config, forward=(stack, h))[0]
                         .saved)(stack, h_b)
-        runs = {name: (lambda f=chunks(interleave): f(stack, h_a, saved, d_h, d_balance))
-                for name, interleave in (("pair", True), ("sequential", False))}
-        pair_s = median_seconds(runs["pair"], repeats)
-        sequential_s = median_seconds(runs["sequential"], repeats)
-        busy = exposed = None
-        if profile_dir is not None:
-            try:
-                split = profile(runs["pair"], profile_dir / "fb_pair")
-                busy, exposed = split.total_busy_ms, split.exposed_communication_ms
-            except ValueError:  # no accelerator kernels in the trace (CPU)
-                pass
-    return PairResult(pair_s, sequential_s, busy, exposed)
+        for order in orders:
+            run = (lambda f=chunks(order): f(stack, h_a, saved, d_h, d_balance))
+            wall = median_seconds(run, repeats)
+            busy = exposed = compute = None
+            if profile_dir is not None:
+                try:
+                    split = profile(run, profile_dir / f"fb_pair_{order}")
+                    busy, exposed = split.total_busy_ms, split.exposed_communication_ms
+                    compute = split.compute_ms
+                except ValueError:  # no accelerator kernels in the trace (CPU)
+                    pass
+            results[order] = OrderResult(wall, busy, exposed, compute)
+    return results

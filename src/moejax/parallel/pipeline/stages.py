@@ -97,10 +97,12 @@ def _rows(stack: DecoderBlock, start: jax.Array, size: int) -> DecoderBlock:
 
 
 def stage_forward(shape: StageShape, dense_start: jax.Array, moe_start: jax.Array,
-                  model: DeepseekV3, h: jax.Array, tokens: jax.Array,
+                  moe_layer: jax.Array, model: DeepseekV3, h: jax.Array, tokens: jax.Array,
                   mtp_lambda: float) -> tuple[jax.Array, StageStats]:
-    """A stage of ``shape`` starting at those stack rows, on one micro-batch: ``h``
-    (b, S, H) in, next stage's ``h`` out.
+    """A stage of ``shape`` starting at those rows of ``model``'s stacks, on one
+    micro-batch: ``h`` (b, S, H) in, next stage's ``h`` out. ``moe_layer`` is the stage's
+    first MoE block in the whole model (its router-bias and count row), which differs from
+    ``moe_start`` when the stacks hold only some ranks' rows (``placement``).
 
     ``tokens`` is the micro-batch (b, S+1); a first stage ignores ``h`` and embeds
     ``tokens[:, :-1]``; a last stage returns zeros for ``h`` and puts the losses in
@@ -122,9 +124,9 @@ def stage_forward(shape: StageShape, dense_start: jax.Array, moe_start: jax.Arra
                        no_bias, model.remat).h
     if shape.moe:
         h, stats = run_stack(_rows(model.moe_blocks, moe_start, shape.moe), h, cos, sin,
-                              jax.lax.dynamic_slice_in_dim(biases, moe_start, shape.moe),
+                              jax.lax.dynamic_slice_in_dim(biases, moe_layer, shape.moe),
                               model.remat)
-        counts = jax.lax.dynamic_update_slice_in_dim(counts, stats.counts, moe_start, 0)
+        counts = jax.lax.dynamic_update_slice_in_dim(counts, stats.counts, moe_layer, 0)
         aux = aux + c.aux_loss_alpha * stats.balance_loss.sum()
         dropped, cross_node = dropped + stats.dropped.sum(), cross_node + stats.cross_node.sum()
     main = mtp = jnp.zeros((), jnp.float32)

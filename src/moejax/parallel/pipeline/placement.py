@@ -1,0 +1,160 @@
+"""Which rows of the stacked layers each pipeline rank holds during a step, and the fetch
+that brings them from where the train state stores them.
+
+Storage (the train state, its optimizer state and checkpoints) keeps the normal model
+tree, whatever the schedule: each stacked-layer array (``dense_blocks``, ``moe_blocks``)
+has its layer axis split over ``pipe`` in equal contiguous blocks when ``pipe`` divides it
+(the sharding rule ``layers -> pipe``), else it is whole on every rank. The embedding,
+head, final norm and MTP modules are whole on every rank (stage 0 and the last stage both
+read the embedding; DualPipe and DualPipeV put both on rank 0).
+
+Compute: rank r holds the rows of the stages it runs, stage after stage in slot order, so
+a stage reads contiguous local rows at the offset :attr:`ParamPlacement.offsets` gives.
+GPipe and 1F1B hold each layer once, DualPipeV once (rank i: stages i and 2P-1-i), DualPipe
+twice (rank i: stages i and P-1-i, one per direction): :meth:`ParamPlacement.copies`.
+
+The fetch runs inside the executor's ``shard_map`` (manual over ``pipe``): for a split
+stack, P rounds of one ``ppermute`` each (round d: every rank sends rank r+d the rows
+that rank needs from its block; padded to the round's largest count, padding lands in a
+discarded row); for a whole stack, a gather of the rank's rows. The step takes ``jax.vjp``
+of the fetch, so the gradients of the held rows flow back along the same rounds reversed
+and are summed where they are stored: DualPipe's two copies of a stage add up there with
+no extra collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from moejax.parallel.pipeline.schedule import Schedule
+from moejax.parallel.pipeline.stages import StagePlan
+from moejax.parallel.sharding import STACKED
+
+PIPE_AXIS = "pipe"
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPlacement:
+    """One stacked-layer array: ``held[r]`` = global rows rank r holds, in local order."""
+
+    length: int  # rows stored
+    ranks: int
+    held: tuple[tuple[int, ...], ...]
+
+    @property
+    def split(self) -> bool:
+        """Stored in equal blocks over ``pipe`` (else whole on every rank)."""
+        return self.ranks > 1 and self.length % self.ranks == 0
+
+    @property
+    def local_length(self) -> int:
+        return max(1, *(len(rows) for rows in self.held))
+
+    def rounds(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """For a split stack: ``(d, sends, places)`` per round that moves rows; ``sends[s]``
+        = rows of sender s's block bound for rank s+d, ``places[r]`` = where the rows from
+        rank r-d land in r's local layout (``local_length`` = the discarded row)."""
+        block = self.length // self.ranks
+        out = []
+        for d in range(self.ranks):
+            pairs = []
+            for r in range(self.ranks):
+                sender = (r - d) % self.ranks
+                pairs.append([(row - sender * block, pos) for pos, row in enumerate(self.held[r])
+                              if row // block == sender])
+            width = max(len(p) for p in pairs)
+            if not width:
+                continue
+            sends = np.zeros((self.ranks, width), np.int32)
+            places = np.full((self.ranks, width), self.local_length, np.int32)
+            for r, p in enumerate(pairs):
+                sender = (r - d) % self.ranks
+                for i, (row, pos) in enumerate(p):
+                    sends[sender, i], places[r, i] = row, pos
+            out.append((d, sends, places))
+        return out
+
+    def fetch(self, stored: jax.Array, rank: jax.Array) -> jax.Array:
+        """This rank's rows (``local_length``, ...) from its stored part (call in shard_map)."""
+        if not self.split:
+            table = np.zeros((self.ranks, self.local_length), np.int32)
+            for r, rows in enumerate(self.held):
+                table[r, :len(rows)] = rows
+            return stored[jnp.asarray(table)[rank]]
+        local = jnp.zeros((self.local_length + 1, *stored.shape[1:]), stored.dtype)
+        for d, sends, places in self.rounds():
+            rows = stored[jnp.asarray(sends)[rank]]
+            if d:
+                rows = jax.lax.ppermute(rows, PIPE_AXIS,
+                                        [(s, (s + d) % self.ranks) for s in range(self.ranks)])
+            local = local.at[jnp.asarray(places)[rank]].set(rows)
+        return local[:self.local_length]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamPlacement:
+    """Every stack's placement, and each stage's local row offsets on its rank."""
+
+    stacks: dict[str, StackPlacement]  # by top-level attribute (only stacks that exist)
+    offsets: np.ndarray  # (P, S, 2) int32: local index of the stage's first dense / MoE row
+
+    @classmethod
+    def build(cls, plan: StagePlan, schedule: Schedule) -> "ParamPlacement":
+        ranks = schedule.num_ranks
+        dense = plan.config.first_k_dense_replace
+        lengths = {"dense_blocks": dense, "moe_blocks": plan.config.num_hidden_layers - dense}
+        held = {name: [[] for _ in range(ranks)] for name in lengths}
+        offsets = np.zeros((ranks, plan.num_stages, 2), np.int32)
+        for r in range(ranks):
+            stages = sorted({(slot, stage) for leg in schedule.placement
+                             for stage, (rank, slot) in enumerate(leg) if rank == r})
+            for _, stage in stages:
+                shape = plan.shape(stage)
+                starts = plan.offsets(stage)
+                for i, (name, count) in enumerate((("dense_blocks", shape.dense),
+                                                   ("moe_blocks", shape.moe))):
+                    offsets[r, stage, i] = len(held[name][r])
+                    held[name][r].extend(range(starts[i], starts[i] + count))
+        stacks = {name: StackPlacement(lengths[name], ranks, tuple(map(tuple, held[name])))
+                  for name in lengths if lengths[name]}
+        return cls(stacks, offsets)
+
+    def copies(self) -> float:
+        """Layer rows held over all ranks during a step, per stored row."""
+        held = sum(len(rows) for s in self.stacks.values() for rows in s.held)
+        return held / sum(s.length for s in self.stacks.values())
+
+    def _stack_of(self, path: tuple) -> StackPlacement | None:
+        return self.stacks.get(path[0]) if path and path[0] in STACKED else None
+
+    def specs(self, params: nnx.State) -> nnx.State:
+        """``shard_map`` specs over ``pipe``: split stacks by their layer axis, the rest whole."""
+        def spec(path: tuple) -> P:
+            stack = self._stack_of(path)
+            return P(PIPE_AXIS) if stack is not None and stack.split else P()
+        return nnx.from_flat_state([(path, v.replace(spec(path)))
+                                    for path, v in nnx.to_flat_state(params)])
+
+    def fetch(self, params: nnx.State, rank: jax.Array) -> nnx.State:
+        """The parameters this rank computes with: stacks cut to its rows, the rest as is."""
+        def local(path: tuple, value: jax.Array) -> jax.Array:
+            stack = self._stack_of(path)
+            return value if stack is None else stack.fetch(value, rank)
+        return nnx.from_flat_state([(path, v.replace(local(path, v[...])))
+                                    for path, v in nnx.to_flat_state(params)])
+
+    def reduce_grads(self, grads: nnx.State) -> nnx.State:
+        """Gradients w.r.t. the stored parameters (the fetch's VJP applied) summed over
+        ``pipe`` where storage is whole; split stacks were summed by the VJP's rounds."""
+        def total(path: tuple, value: jax.Array) -> jax.Array:
+            stack = self._stack_of(path)
+            split = stack is not None and stack.split
+            return value if split else jax.lax.psum(value, PIPE_AXIS)
+        return nnx.from_flat_state([(path, v.replace(total(path, v[...])))
+                                    for path, v in nnx.to_flat_state(grads)])
