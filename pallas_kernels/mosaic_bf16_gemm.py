@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.group_schedule import group_bounds
-from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, store_rows,
-                                           tile_visit, visit_ends)
+from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, persistent_call,
+                                           store_rows, tile_visit, visit_ends)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -284,22 +284,6 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _kernel_call(body, out_type, *operands):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    call = plgpu.kernel(
-        body,
-        out_type=out_type,
-        grid=(jax.devices()[0].core_count,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    return call(*operands)
-
-
 def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
                    cfg: Bf16Config | None = None) -> jax.Array:
     """Rows of group g of a (M, K) @ b[g]: b (G, K, N) when b_kn, else b (G, N, K) used
@@ -318,7 +302,7 @@ def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
     mp, np_ = a.shape[0], (b.shape[2] if b_kn else b.shape[1])
     ends = visit_ends(group_sizes, m)
     body = functools.partial(_rows_kernel, groups=groups, b_kn=b_kn, tile_n=tile_n, cfg=cfg)
-    out = _kernel_call(body, _out_shape((mp, np_), out_dtype, a, b), ends, a, b)
+    out = persistent_call(body, _out_shape((mp, np_), out_dtype, a, b), ends, a, b)
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
 
@@ -337,5 +321,5 @@ def grouped_matmul_tn(x, y, group_sizes, *, out_dtype=jnp.bfloat16,
     starts, ends = group_bounds(group_sizes.astype(jnp.int32), m)
     body = functools.partial(_tn_kernel, tile_q=tile_q, cfg=cfg)
     out_type = _out_shape((groups, x.shape[1], y.shape[1]), out_dtype, x, y)
-    out = _kernel_call(body, out_type, starts, ends, x, y)
+    out = persistent_call(body, out_type, starts, ends, x, y)
     return out[:, :p, :q] if out.shape[1:] != (p, q) else out

@@ -25,6 +25,48 @@ def available() -> bool:
     return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
+def sm_count() -> int:
+    """Streaming multiprocessors of the GPU: one persistent CTA each."""
+    return jax.devices()[0].core_count
+
+
+def _varying(x) -> frozenset[str]:
+    t = jax.typeof(x)
+    manual = getattr(t, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset(
+        getattr(t, "vma", ()))
+
+
+def persistent_call(body, out_type, *operands):
+    """``body`` on a persistent grid (one CTA per SM) of one TMA producer and two consumer
+    warpgroups, on ``operands``.
+
+    ``plgpu.kernel`` traces with shard_map's varying-axes checks off and types its output
+    as the same on every device; under a ``shard_map`` that checks them, the output gets
+    back every manual axis an operand varies over. That is a change of type only: these
+    calls sit inside ``custom_vjp`` rules, so autodiff never transposes it.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    call = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(sm_count(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    out = call(*operands)
+    missing = tuple(sorted(frozenset().union(*map(_varying, operands)) - _varying(out)))
+    if not missing:
+        return out
+    if hasattr(jax.lax, "pcast"):  # jax >= 0.10
+        return jax.lax.pcast(out, missing, to="varying")
+    return jax.lax.pvary(out, missing)
+
+
 def tile_owner(t, ends_gmem, groups: int, block_m: int):
     """(group, row block, first row, end row) of visit t; group == groups means the
     zero rows past the last group. Unrolled over the G+1 boundaries (static loads)."""

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, store_rows,
-                                           tile_visit, visit_ends)
+from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, persistent_call,
+                                           store_rows, tile_visit, visit_ends)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -181,8 +181,6 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
 
     Shapes off the tile grid are zero-padded here (a copy; rare in training shapes).
     """
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     cfg = cfg or DEFAULT_CONFIG
     (m, k), (groups, n, _) = a.shape, b.shape
     a = _pad_axis(_pad_axis(a, 1, TILE), 0, CTA_M)
@@ -193,16 +191,7 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
     ends = visit_ends(group_sizes, m)
     # (G, K/128, N/128 * 64): each block scale repeated for the 64 rows of a warpgroup.
     b_scale_rows = jnp.repeat(jnp.swapaxes(b_scale, 1, 2), WG_ROWS, axis=2)
-    sms = jax.devices()[0].core_count
-    call = plgpu.kernel(
-        functools.partial(_kernel, groups=groups, cfg=cfg),
-        out_type=_out_shape((mp, np_), out_dtype, a, b),
-        grid=(sms,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    out = call(ends, a, a_scale.T, b, b_scale_rows)
+    out = persistent_call(functools.partial(_kernel, groups=groups, cfg=cfg),
+                          _out_shape((mp, np_), out_dtype, a, b),
+                          ends, a, a_scale.T, b, b_scale_rows)
     return out[:m, :n] if (mp, np_) != (m, n) else out

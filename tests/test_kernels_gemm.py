@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from pallas_kernels import triton_gemm as tg
@@ -215,3 +216,33 @@ def test_mosaic_bf16_kernels_reject_other_dtypes():
         mosaic_bf16_gemm.grouped_matmul(a, jnp.ones((1, 64, 128), jnp.float32), sizes, b_kn=True)
     with pytest.raises(ValueError, match="16-bit x and y; got float32"):
         mosaic_bf16_gemm.grouped_matmul_tn(a, a, sizes)
+
+
+def test_mosaic_kernel_outputs_vary_like_their_operands(monkeypatch):
+    """``plgpu.kernel`` types its output as the same on every device; inside a shard_map
+    that checks varying axes, each Mosaic op's output must vary over ``expert`` like its
+    operands, or a custom_vjp around it gets cotangents of the wrong type (traced on CPU
+    with a Hopper's 132 SMs: the kernels are lowered only on the GPU)."""
+    from pallas_kernels import mosaic_bf16_gemm, mosaic_common, mosaic_gemm
+
+    monkeypatch.setattr(mosaic_common, "sm_count", lambda: 132)
+    mesh = jax.make_mesh((2,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    types = {}
+
+    def body(a, b, sizes, a8, a_scale, b8, b_scale):
+        outs = {"fwd": mosaic_bf16_gemm.grouped_matmul(a, b, sizes, b_kn=True),
+                "wgrad": mosaic_bf16_gemm.grouped_matmul_tn(a, a, sizes),
+                "fp8": mosaic_gemm.scaled_grouped_matmul(a8, b8, sizes, a_scale=a_scale,
+                                                         b_scale=b_scale)}
+        types.update({k: jax.typeof(v) for k, v in outs.items()})
+        return tuple(outs.values())
+
+    shapes = (((512, 256), jnp.bfloat16), ((4, 256, 384), jnp.bfloat16), ((8,), jnp.int32),
+              ((512, 256), jnp.float8_e4m3fn), ((512, 2), jnp.float32),
+              ((4, 384, 256), jnp.float8_e4m3fn), ((4, 3, 2), jnp.float32))
+    specs = (P("expert"), P(), P("expert"), P("expert"), P("expert"), P(), P())
+    jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=specs,
+                                 out_specs=(P("expert"),) * 3))(
+        *(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
+    assert {k: "expert" in str(t) for k, t in types.items()} == dict.fromkeys(types, True), types
