@@ -4,7 +4,8 @@
         --fb 3 --comm 0] [--show-timeline]
         [--measure [--preset tiny --layers 8 --batch 16 --seq 32 --mesh pipe=4,data=2]
          [--profile DIR]]
-    python -m experiments.pipeline_study --fb-pair --mesh expert=2 [--profile DIR]
+    python -m experiments.pipeline_study --fb-pair --mesh expert=2 [--transport padded]
+        [--profile DIR]
 
 The "derived" bubble comes from simulating each schedule's op lists under the given
 per-chunk costs; the "paper" column evaluates the DualPipe paper's formula with the same
@@ -13,8 +14,9 @@ simulated devices) and the "measured" column is the worst rank's share of per-ti
 time spent in ticks where it runs no F or B; a second table gives the whole jitted step's
 median time. ``--fb-pair`` times one F&B pair of two micro-batches through the model's MoE
 blocks, the forward of one interleaved piece by piece with the backward of the other
-(``moejax.parallel.pipeline.fb_pair``), against the same pieces run one chunk after the
-other; with ``--profile`` the exposed communication comes from the trace. It turns on
+(``moejax.parallel.pipeline.fb_pair``), in each order (free, lockstep, sequential: one
+chunk after the other; ``--transport`` picks the exchange); with ``--profile`` the busy,
+compute and exposed communication times come from the trace. It turns on
 XLA:GPU's latency-hiding scheduler unless XLA_FLAGS already sets it.
 """
 
@@ -152,9 +154,9 @@ def _fb_pair(args: argparse.Namespace) -> None:
                  f"{r.busy_ms:>8.2f} {r.compute_ms:>10.2f} {r.exposed_comm_ms:>15.3f} "
                  f"{r.exposed_comm_ms / r.busy_ms:>14.1%}")
         print(f"{order:<11} {r.wall_s * 1e3:>8.2f} {base / r.wall_s:>12.3f}x {trace}")
-    print("lockstep: forward and backward pieces paired step by step (barriers); free: "
-          "both chains without barriers; sequential: the backward after the forward. "
-          "Trace columns per pair (--profile).")
+    print("free: forward and backward pieces interleaved in program order, no barriers; "
+          "lockstep: the same with barriers between steps; sequential: the backward after "
+          "the forward. Trace columns per pair (--profile).")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,12 +37,13 @@ one HLO computation, where the only order XLA must keep is each chain's own. XLA
 latency-hiding scheduler (GPU: ``--xla_gpu_enable_latency_hiding_scheduler``) may then
 issue one chain's ``all_to_all``/``ragged_all_to_all`` while the other chain's matmuls
 run. Two separate conditionals would not do: a conditional is one instruction to the
-scheduler, so their bodies could never interleave. The tick leaves the interleave to the
-scheduler; the explicit piece-by-piece pairing (attention / dispatch / experts / combine,
-lock-step barriers) is ``fb_pair.run_pair``, on MoE-block stacks, which this executor
-does not call yet: its stages run ``stage_forward`` (embedding, dense blocks, head, MTP
-around the MoE stack) with the MoE layer's own nested shard_map, while ``run_pair`` needs
-the MoE blocks of both chunks inside one shard_map over the batch axes.
+scheduler, so their bodies could never interleave. This is ``fb_pair``'s ``free`` order
+at stage granularity, the order that hid communication best there (barriers between
+pieces did not help). Not done here: tracing the two chunks piece by piece
+(attention / dispatch / experts / combine, ``fb_pair.run_pair``): its backward needs
+the forward's per-piece inputs kept across ticks, where this executor keeps only stage
+inputs and recomputes, and its stages run ``stage_forward`` (embedding, dense blocks,
+head, MTP around the MoE stack) with the MoE layer's own nested shard_map.
 """
 
 from __future__ import annotations

@@ -35,35 +35,33 @@ step  forward (micro-batch A)          backward (micro-batch B)
 so each step holds one exchange and one compute piece of the other chain. Over a stack,
 forward block i pairs with backward block L-1-i; the longer chain's extra steps run alone.
 
-How XLA is led to overlap them:
+How XLA is led to overlap them (the default ``order="free"``):
 
 1. Data dependencies. Both chains are traced into one HLO computation (one jit, one
-   shard_map body, no conditional around either). The two pieces of a step share no value,
-   so the only order XLA must keep is each chain's own.
-2. Order. ``lax.optimization_barrier`` over both chains' whole state (values, routing
-   metadata, kept inputs, gradients so far) after every step makes step k+1 of either chain
-   depend on step k of both. The pairing is therefore lock-step: the scheduler cannot run
-   one chain ahead (leaving an exchange with nothing independent to hide under), and each
-   exchange has the other chain's compute piece of the same step beside it.
-3. Scheduling (GPU). XLA:GPU lowers ``all-to-all`` and ``ragged-all-to-all`` as async
+   shard_map body, no conditional around either), forward step k then backward step k in
+   program order. The two pieces of a step share no value, so the only order XLA must
+   keep is each chain's own, and it may fuse across piece boundaries of one chain.
+2. Scheduling (GPU). XLA:GPU lowers ``all-to-all`` and ``ragged-all-to-all`` as async
    start/done pairs on a communication stream; its latency-hiding scheduler
    (``--xla_gpu_enable_latency_hiding_scheduler=true``: ``experiments.pipeline_study
    --fb-pair`` sets it when XLA_FLAGS does not mention it, as whether it is on by default
    depends on the jaxlib) puts the start before, and the done after, independent compute,
-   which by (1) and (2) is the other chain's piece. Keep all-to-all async: do not list
+   which by (1) is the other chain's pieces. Keep all-to-all async: do not list
    ``alltoall`` in ``--xla_gpu_disable_async_collectives``. XLA:CPU runs collectives
    synchronously, so on CPU the pair is checked for its results only.
-4. What no pairing hides: the ragged transport's small all_gather of per-expert counts
+3. What no pairing hides: the ragged transport's small all_gather of per-expert counts
    (its exchange plan) inside the attention piece, and the gradients' ``psum`` over the
    batch axes, done once after the pair (parameters are marked varying inside, so each
    piece's backward gives this device's partial gradients and no collective sits inside a
    compute piece).
 
-``order`` picks among three ways to run the same pieces (:data:`ORDERS`): ``lockstep``
-(the steps above, barriers between steps), ``free`` (both chains traced side by side with
-no barrier: only the data dependencies, so XLA may fuse across piece boundaries and place
-each exchange wherever its scheduler likes) and ``sequential`` (one barrier between the
-chains: the backward's inputs wait for the forward's outputs; the baseline).
+``order`` picks among three ways to run the same pieces (:data:`ORDERS`): ``free`` (the
+above), ``lockstep`` (``lax.optimization_barrier`` over both chains' whole state after
+every step, so step k+1 of either chain waits for step k of both: the scheduler cannot run
+one chain ahead, but nothing fuses across a step either) and ``sequential`` (one barrier
+between the chains: the backward's inputs wait for the forward's outputs; the baseline).
+On 2 H200 (``docs/performance.md``) ``free`` hid half the exposed communication of
+``sequential`` and was the fastest; ``lockstep`` was no faster than ``sequential``.
 FP8 token transport is not supported here (its exchange is fused with quantisation in one
 custom VJP).
 """
@@ -250,7 +248,7 @@ def _backward_steps(ctx: Context, stack: "Stack", d_balance: jax.Array) -> list[
     return steps
 
 
-ORDERS = ("lockstep", "free", "sequential")
+ORDERS = ("free", "lockstep", "sequential")
 
 
 def _run(forward: list[Step], backward: list[Step], f: ForwardState, b: BackwardState,
@@ -309,7 +307,7 @@ def _param_specs(params: nnx.State) -> nnx.State:
 def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
              forward: tuple[Stack, jax.Array] | None = None,
              backward: tuple[Stack, Any, jax.Array, jax.Array] | None = None,
-             order: str = "lockstep") -> tuple[Forward | None, Backward | None]:
+             order: str = "free") -> tuple[Forward | None, Backward | None]:
     """A forward chunk ``(stack, h)`` and a backward chunk ``(stack, saved, d_h, d_balance)``
     of MoE-block stacks, run in ``order`` (one of :data:`ORDERS`).
 

@@ -9,16 +9,17 @@ measurement of compiled code (compiled and run once before timing), never a mode
   the imbalance inside a tick, so this is a lower bound of its idle time).
 - :func:`fb_pair`: one F&B pair of two micro-batches through the model's MoE blocks on a
   mesh without ``pipe`` (e.g. ``expert=2``): the forward of micro-batch A interleaved
-  piece by piece with the backward of micro-batch B (``fb_pair.run_pair``), against the
-  same pieces run one chunk after the other. With a profile directory, the exposed
-  communication of the pair comes from the trace (``moejax.profiling``).
+  piece by piece with the backward of micro-batch B (``fb_pair.run_pair``) in each of
+  its orders, the sequential one the baseline. With a profile directory, busy, compute
+  and exposed communication time of each come from the trace (``moejax.profiling``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import NamedTuple
+import time
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,12 +100,15 @@ class OrderResult(NamedTuple):
 
 def fb_pair(problem: Problem, mesh: MeshSpec, repeats: int = 10,
             profile_dir: pathlib.Path | None = None,
-            orders: tuple[str, ...] = ORDERS) -> dict[str, OrderResult]:
+            orders: tuple[str, ...] = ORDERS,
+            log: Callable[[str], None] = lambda line: print(line, flush=True),
+            ) -> dict[str, OrderResult]:
     """Times an F&B pair of the model's MoE blocks on ``mesh`` (no pipe axis): the forward
     of micro-batch A (first half of ``problem.tokens``) with the backward of micro-batch B
     (second half; its residuals from its own forward, run beforehand), in each of
-    ``orders`` (``lockstep``: piece by piece, ``free``: no barriers, ``sequential``: one
-    chunk after the other). With ``profile_dir``, each order is traced too."""
+    ``orders`` (``free``: pieces interleaved in program order, no barriers; ``lockstep``:
+    barriers between steps; ``sequential``: one chunk after the other). With
+    ``profile_dir``, each order is traced too."""
     config = problem.config
     model = nnx.merge(problem.graphdef, problem.params, problem.biases)
     graphdef, blocks = nnx.split(model.moe_blocks)
@@ -124,9 +128,13 @@ def fb_pair(problem: Problem, mesh: MeshSpec, repeats: int = 10,
     with jax.set_mesh(build_mesh(mesh, jax.devices()[:mesh.size])):
         saved = jax.jit(lambda stack, h: run_pair(graphdef, config, forward=(stack, h))[0]
                         .saved)(stack, h_b)
+        log("  micro-batch B's forward done (its residuals feed the backward chunk)")
         for order in orders:
             run = (lambda f=chunks(order): f(stack, h_a, saved, d_h, d_balance))
+            start = time.perf_counter()
             wall = median_seconds(run, repeats)
+            log(f"  {order}: {wall * 1e3:.2f} ms per pair ({time.perf_counter() - start:.0f} s "
+                "with compile)")
             busy = exposed = compute = None
             if profile_dir is not None:
                 try:
@@ -135,5 +143,6 @@ def fb_pair(problem: Problem, mesh: MeshSpec, repeats: int = 10,
                     compute = split.compute_ms
                 except ValueError:  # no accelerator kernels in the trace (CPU)
                     pass
+                log(f"  {order}: traced ({time.perf_counter() - start:.0f} s so far)")
             results[order] = OrderResult(wall, busy, exposed, compute)
     return results
