@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.varying import mark_varying, varying_axes
+
 WG_ROWS = 64  # rows per consumer warpgroup (the WGMMA M)
 CTA_M = 2 * WG_ROWS  # two consumer warpgroups stacked along M
 
@@ -28,13 +30,6 @@ def available() -> bool:
 def sm_count() -> int:
     """Streaming multiprocessors of the GPU: one persistent CTA each."""
     return jax.devices()[0].core_count
-
-
-def _varying(x) -> frozenset[str]:
-    t = jax.typeof(x)
-    manual = getattr(t, "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset(
-        getattr(t, "vma", ()))
 
 
 def persistent_call(body, out_type, *operands):
@@ -58,13 +53,8 @@ def persistent_call(body, out_type, *operands):
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    out = call(*operands)
-    missing = tuple(sorted(frozenset().union(*map(_varying, operands)) - _varying(out)))
-    if not missing:
-        return out
-    if hasattr(jax.lax, "pcast"):  # jax >= 0.10
-        return jax.lax.pcast(out, missing, to="varying")
-    return jax.lax.pvary(out, missing)
+    return mark_varying(call(*operands),
+                        tuple(sorted(frozenset().union(*map(varying_axes, operands)))))
 
 
 def tile_owner(t, ends_gmem, groups: int, block_m: int):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from pallas_kernels.varying import mark_varying
 from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
@@ -93,24 +94,11 @@ def expert_axis_size() -> int:
     return dict(mesh.shape).get(EXPERT_AXIS, 1) if mesh.axis_names else 1
 
 
-def varying_axes(x: jax.Array) -> frozenset[str]:
-    """The manual mesh axes ``x`` varies over (inside shard_map)."""
-    aval = jax.typeof(x)
-    return aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
-
-
 def varying_over(tree: Any, axes: tuple[str, ...]) -> Any:
     """Marks arrays replicated over ``axes`` (expert weights, fresh buffers) as varying
     there, so the types match the per-device tokens they meet; autodiff then sums the
     gradients of such weights over ``axes``. Axes a leaf already varies over are skipped."""
-    def mark(x: jax.Array) -> jax.Array:
-        missing = tuple(a for a in axes if a not in varying_axes(x))
-        if not missing:
-            return x
-        if hasattr(jax.lax, "pcast"):  # jax >= 0.10
-            return jax.lax.pcast(x, missing, to="varying")
-        return jax.lax.pvary(x, missing)
-    return jax.tree.map(mark, tree)
+    return jax.tree.map(lambda x: mark_varying(x, axes), tree)
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:

@@ -25,6 +25,7 @@ no extra collective.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,19 @@ from moejax.parallel.pipeline.stages import StagePlan
 from moejax.parallel.sharding import STACKED
 
 PIPE_AXIS = "pipe"
+
+
+def _padded(rows: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarray:
+    out = np.full((len(rows), width), fill, np.int32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def _map_leaves(state: nnx.State, fn: Callable[[tuple, Any], Any]) -> nnx.State:
+    """``state`` with every leaf's value replaced by ``fn(path, value)``."""
+    return nnx.from_flat_state([(path, v.replace(fn(path, v[...])))
+                                for path, v in nnx.to_flat_state(state)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,29 +77,24 @@ class StackPlacement:
         block = self.length // self.ranks
         out = []
         for d in range(self.ranks):
-            pairs = []
+            sends = [[] for _ in range(self.ranks)]
+            places = [[] for _ in range(self.ranks)]
             for r in range(self.ranks):
                 sender = (r - d) % self.ranks
-                pairs.append([(row - sender * block, pos) for pos, row in enumerate(self.held[r])
-                              if row // block == sender])
-            width = max(len(p) for p in pairs)
-            if not width:
-                continue
-            sends = np.zeros((self.ranks, width), np.int32)
-            places = np.full((self.ranks, width), self.local_length, np.int32)
-            for r, p in enumerate(pairs):
-                sender = (r - d) % self.ranks
-                for i, (row, pos) in enumerate(p):
-                    sends[sender, i], places[r, i] = row, pos
-            out.append((d, sends, places))
+                for pos, row in enumerate(self.held[r]):
+                    if row // block == sender:
+                        sends[sender].append(row - sender * block)
+                        places[r].append(pos)
+            width = max(map(len, places))
+            if width:
+                out.append((d, _padded(sends, width, 0),
+                            _padded(places, width, self.local_length)))
         return out
 
     def fetch(self, stored: jax.Array, rank: jax.Array) -> jax.Array:
         """This rank's rows (``local_length``, ...) from its stored part (call in shard_map)."""
         if not self.split:
-            table = np.zeros((self.ranks, self.local_length), np.int32)
-            for r, rows in enumerate(self.held):
-                table[r, :len(rows)] = rows
+            table = _padded(self.held, self.local_length, 0)
             return stored[jnp.asarray(table)[rank]]
         local = jnp.zeros((self.local_length + 1, *stored.shape[1:]), stored.dtype)
         for d, sends, places in self.rounds():
@@ -133,28 +142,24 @@ class ParamPlacement:
     def _stack_of(self, path: tuple) -> StackPlacement | None:
         return self.stacks.get(path[0]) if path and path[0] in STACKED else None
 
+    def _split(self, path: tuple) -> bool:
+        """Whether the leaf at ``path`` is a stack stored split over ``pipe``."""
+        stack = self._stack_of(path)
+        return stack is not None and stack.split
+
     def specs(self, params: nnx.State) -> nnx.State:
         """``shard_map`` specs over ``pipe``: split stacks by their layer axis, the rest whole."""
-        def spec(path: tuple) -> P:
-            stack = self._stack_of(path)
-            return P(PIPE_AXIS) if stack is not None and stack.split else P()
-        return nnx.from_flat_state([(path, v.replace(spec(path)))
-                                    for path, v in nnx.to_flat_state(params)])
+        return _map_leaves(params, lambda path, _: P(PIPE_AXIS) if self._split(path) else P())
 
     def fetch(self, params: nnx.State, rank: jax.Array) -> nnx.State:
         """The parameters this rank computes with: stacks cut to its rows, the rest as is."""
         def local(path: tuple, value: jax.Array) -> jax.Array:
             stack = self._stack_of(path)
             return value if stack is None else stack.fetch(value, rank)
-        return nnx.from_flat_state([(path, v.replace(local(path, v[...])))
-                                    for path, v in nnx.to_flat_state(params)])
+        return _map_leaves(params, local)
 
     def reduce_grads(self, grads: nnx.State) -> nnx.State:
         """Gradients w.r.t. the stored parameters (the fetch's VJP applied) summed over
         ``pipe`` where storage is whole; split stacks were summed by the VJP's rounds."""
-        def total(path: tuple, value: jax.Array) -> jax.Array:
-            stack = self._stack_of(path)
-            split = stack is not None and stack.split
-            return value if split else jax.lax.psum(value, PIPE_AXIS)
-        return nnx.from_flat_state([(path, v.replace(total(path, v[...])))
-                                    for path, v in nnx.to_flat_state(grads)])
+        return _map_leaves(grads, lambda path, g: g if self._split(path)
+                           else jax.lax.psum(g, PIPE_AXIS))
