@@ -91,8 +91,9 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
         raise SystemExit(f"--mesh {args.mesh}: its pipe axis must equal --ranks {args.ranks}")
     problem = make_problem(args.preset, args.layers or 2 * args.ranks, args.batch, args.seq,
                            args.dtype)
+    pairs = "whole stages" if args.stage_pairs else "MoE pieces where an expert axis has any"
     print(f"executor on {mesh} ({args.preset}, {problem.config.num_hidden_layers} layers, "
-          f"batch {args.batch} x seq {args.seq}, {args.dtype})")
+          f"batch {args.batch} x seq {args.seq}, {args.dtype}; F&B ticks pair {pairs})")
     print(f"{'schedule':<10} {'step ms':>9} {'ticks':>5} {'sum ticks ms':>12} "
           f"{'bubble/rank (measured)':<30} {'layers held/rank':<17} {'act buf/rank':<13} loss")
     bubbles = {}
@@ -106,7 +107,8 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
         except ScheduleError:
             continue
         profile = pathlib.Path(args.profile) if args.profile else None
-        m = measure_schedule(problem, name, mesh, args.microbatches, args.repeats, profile)
+        m = measure_schedule(problem, name, mesh, args.microbatches, args.repeats, profile,
+                             pair_pieces=not args.stage_pairs)
         bubbles[name] = max(m.bubble_fraction)
         per_rank = ",".join(f"{b:.1%}" for b in m.bubble_fraction)
         held = ",".join(map(str, m.layers_held))
@@ -175,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="run the executor per schedule: measured bubble and step time")
     parser.add_argument("--fb-pair", action="store_true",
                         help="time one F&B pair interleaved vs sequential (no pipe axis)")
+    parser.add_argument("--stage-pairs", action="store_true",
+                        help="--measure: F&B ticks run whole stage functions side by side "
+                        "instead of MoE pieces (PipelineExecutor.pair_pieces=False)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES),
                         help="--measure only these (comma-separated)")
     parser.add_argument("--mesh", default="", help="devices for --measure (default "

@@ -21,11 +21,14 @@ from moejax.config import get_model_preset
 from moejax.model import DeepseekV3
 from moejax.model.rope import rope_tables
 from moejax.model.transformer import run_stack
+from moejax.parallel.expert import ExpertParallelOptions, expert_parallel_options
 from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.parallel.pipeline.fb_pair import ORDERS, Stack, run_pair
 
 BATCH, SEQ = 8, 8
 MESH = MeshSpec(data=2, expert=4)
+# Two devices a node, so some copies cross nodes and the count is not trivially 0.
+OPTIONS = ExpertParallelOptions(devices_per_node=2)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def setup():
     h_a, h_b, d_h = (jax.random.normal(k, (BATCH, SEQ, config.hidden_size)) for k in keys[1:4])
     d_balance = jax.random.uniform(keys[4], (1,))
     mesh = build_mesh(MESH)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), expert_parallel_options(OPTIONS):
         saved = jax.jit(lambda s, h: run_pair(graphdef, config, forward=(s, h))[0].saved)(
             one, h_b)
 
@@ -63,6 +66,15 @@ def setup():
             return compiled(*args), compiled.as_text()
 
         runs = {order: pair(order) for order in ORDERS}
+
+        @jax.jit
+        def with_pullbacks(stack, h_a, one, h_b, d_h, d_balance):
+            """B's forward keeping pullbacks, then the pair, in one trace (as the executor)."""
+            kept = run_pair(graphdef, config, forward=(one, h_b), keep="pullbacks")[0].saved
+            return run_pair(graphdef, config, forward=(stack, h_a),
+                            backward=(one, kept, d_h, d_balance))
+
+        runs["pullbacks"] = (with_pullbacks(stack, h_a, one, h_b, d_h, d_balance), None)
     return ref_h, ref_stats, ref_d_h, ref_d_params, runs
 
 
@@ -75,7 +87,7 @@ def _close(actual, expected, rtol):
         assert float(jnp.max(jnp.abs(a - e))) <= rtol * scale
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", [*ORDERS, "pullbacks"])
 def test_pair_equals_the_model_blocks(setup, order):
     ref_h, ref_stats, ref_d_h, ref_d_params, runs = setup
     (f, b), _ = runs[order]
@@ -83,6 +95,7 @@ def test_pair_equals_the_model_blocks(setup, order):
     np.testing.assert_array_equal(f.counts, ref_stats.counts)
     np.testing.assert_allclose(f.balance, ref_stats.balance_loss, rtol=1e-5)
     assert int(f.dropped) == 0
+    assert int(f.cross_node) == int(ref_stats.cross_node.sum()) > 0
     _close(b.d_h, ref_d_h, 1e-5)
     _close(b.d_params, ref_d_params, 1e-4)
 

@@ -353,6 +353,17 @@ def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
     return flat // devices_per_node
 
 
+def cross_node_copies(copies: jax.Array, num_local: int, mesh_shape: dict[str, int],
+                      devices_per_node: int) -> jax.Array:
+    """How many of this device's token copies (global expert ids, experts laid out
+    ``num_local`` per device along ``expert``) go to a device on another node (call inside
+    a ``shard_map`` manual over ``expert``)."""
+    node = functools.partial(_node_of_expert_position, mesh_shape=mesh_shape,
+                             devices_per_node=devices_per_node)
+    return jnp.sum(node(copies // num_local) != node(jax.lax.axis_index(EXPERT_AXIS)),
+                   dtype=jnp.int32)
+
+
 def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: ExpertWeights, *,
                 config: ModelConfig, ep: int, batch_axes: tuple[str, ...],
                 mesh_shape: dict[str, int], options: ExpertParallelOptions,
@@ -379,10 +390,7 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
     y = combine(y_rows, order, routing.weights).reshape(batch, seq, hidden)
 
     balance = balance_loss(routing, batch, config)
-    node = functools.partial(_node_of_expert_position, mesh_shape=mesh_shape,
-                             devices_per_node=devices_per_node)
-    dest = copies // num_local
-    cross_node = jnp.sum(node(dest) != node(jax.lax.axis_index(EXPERT_AXIS)), dtype=jnp.int32)
+    cross_node = cross_node_copies(copies, num_local, mesh_shape, devices_per_node)
     total = functools.partial(jax.lax.psum, axis_name=batch_axes)
     return y, RoutingStats(total(counts), jax.lax.pmean(balance, batch_axes),
                            total(received.dropped), total(cross_node))

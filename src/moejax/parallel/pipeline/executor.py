@@ -37,13 +37,12 @@ one HLO computation, where the only order XLA must keep is each chain's own. XLA
 latency-hiding scheduler (GPU: ``--xla_gpu_enable_latency_hiding_scheduler``) may then
 issue one chain's ``all_to_all``/``ragged_all_to_all`` while the other chain's matmuls
 run. Two separate conditionals would not do: a conditional is one instruction to the
-scheduler, so their bodies could never interleave. This is ``fb_pair``'s ``free`` order
-at stage granularity, the order that hid communication best there (barriers between
-pieces did not help). Not done here: tracing the two chunks piece by piece
-(attention / dispatch / experts / combine, ``fb_pair.run_pair``): its backward needs
-the forward's per-piece inputs kept across ticks, where this executor keeps only stage
-inputs and recomputes, and its stages run ``stage_forward`` (embedding, dense blocks,
-head, MTP around the MoE stack) with the MoE layer's own nested shard_map.
+scheduler, so their bodies could never interleave. When both stages have MoE blocks and
+the mesh has an ``expert`` axis (there is an exchange to hide), the tick runs them piece
+by piece (:mod:`.paired`: attention / dispatch / experts / combine, ``fb_pair``'s
+``free`` order, B's recompute keeping the pieces' pullbacks); ``pair_pieces=False``, FP8
+token transport (its exchange is fused with quantisation) or no expert axis run the two
+whole stage functions side by side instead.
 """
 
 from __future__ import annotations
@@ -61,9 +60,12 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import ModelConfig
 from moejax.model import DeepseekV3, ModelOutput
+from moejax.parallel.expert import current_options, expert_axis_size
+from moejax.parallel.pipeline.paired import Chunk, fb_tick, pairs_pieces
 from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement
 from moejax.parallel.pipeline.schedule import Schedule
-from moejax.parallel.pipeline.stages import StagePlan, StageShape, StageStats, stage_forward
+from moejax.parallel.pipeline.stages import (StagePlan, StageRows, StageShape, StageStats,
+                                             add_stats, stage_forward)
 from moejax.parallel.pipeline.tables import ACT_SOURCES, GRAD_SOURCES, TickTables, tick_tables
 
 class StepResult(NamedTuple):
@@ -106,6 +108,7 @@ class PipelineExecutor:
     config: ModelConfig
     compute_dtype: Any  # dtype of activations between stages
     mtp_lambda: float
+    pair_pieces: bool = True  # F&B ticks piece by piece where they can (module docstring)
 
     @functools.cached_property
     def plan(self) -> StagePlan:
@@ -139,18 +142,26 @@ class PipelineExecutor:
         """The tables plus the program index: what ``_tick`` reads per tick."""
         return {**self.tables.rows, "program": self.programs[1]}
 
+    def _stage_rows(self, stage: jax.Array) -> StageRows:
+        """Where ``stage``'s rows sit in this rank's held stacks (``placement.fetch``)."""
+        rank = jax.lax.axis_index(PIPE_AXIS)
+        dense_start, moe_start = jnp.asarray(self.placement.offsets)[rank, stage]
+        return StageRows(dense_start, moe_start, jnp.asarray(self._moe_layers)[stage])
+
     def _forward(self, shape: StageShape, stage: jax.Array, params: nnx.State,
                  biases: nnx.State, h: jax.Array, tokens: jax.Array
                  ) -> tuple[tuple[jax.Array, jax.Array], StageStats]:
         """``((h_out, loss), stats)`` of ``stage`` (of ``shape``) on one micro-batch, with
-        this rank's held parameters (``placement.fetch``)."""
-        rank = jax.lax.axis_index(PIPE_AXIS)
-        dense_start, moe_start = jnp.asarray(self.placement.offsets)[rank, stage]
-        moe_layer = jnp.asarray(self._moe_layers)[stage]
+        this rank's held parameters."""
         model: DeepseekV3 = nnx.merge(self.graphdef, params, biases)
-        out, stats = stage_forward(shape, dense_start, moe_start, moe_layer, model, h, tokens,
+        out, stats = stage_forward(shape, self._stage_rows(stage), model, h, tokens,
                                    self.mtp_lambda)
         return (out, stats.loss), stats
+
+    def runs_pieces(self, work: Work) -> bool:
+        """Whether ``work``'s F&B tick runs piece by piece (call under the mesh)."""
+        return (self.pair_pieces and pairs_pieces(work.f, work.b) and expert_axis_size() > 1
+                and current_options().token_format == "compute")
 
     @functools.cached_property
     def _moe_layers(self) -> np.ndarray:
@@ -181,7 +192,7 @@ class PipelineExecutor:
         def forward(shape: StageShape, stats: StageStats) -> tuple[jax.Array, StageStats]:
             (out, _), new = self._forward(shape, f_stage, params, biases, carry.acts[f_act],
                                           mb_tokens[f_mb])
-            return out, jax.tree.map(jnp.add, stats, new)
+            return out, add_stats(stats, new)
 
         def backward(shape: StageShape, grads: nnx.State) -> tuple[jax.Array, nnx.State]:
             _, vjp, _ = jax.vjp(
@@ -190,8 +201,19 @@ class PipelineExecutor:
             d_params, d_h = vjp((carry.grad_in[b_grad], jnp.float32(1.0 / m)))
             return d_h, jax.tree.map(jnp.add, grads, d_params)
 
+        def paired(work: Work, stats: StageStats, grads: nnx.State):
+            f_out, f_stats, b_out, d_params = fb_tick(
+                lambda p: nnx.merge(self.graphdef, p, biases), params,
+                Chunk(work.f, self._stage_rows(f_stage), carry.acts[f_act], mb_tokens[f_mb]),
+                Chunk(work.b, self._stage_rows(b_stage), carry.acts[b_act], mb_tokens[b_mb]),
+                carry.grad_in[b_grad], 1.0 / m, self.mtp_lambda)
+            return (f_out, b_out, add_stats(stats, f_stats),
+                    jax.tree.map(jnp.add, grads, d_params))
+
         def program(work: Work) -> Callable:
             def run(stats: StageStats, grads: nnx.State):
+                if self.runs_pieces(work):
+                    return paired(work, stats, grads)
                 f_out, stats = forward(work.f, stats) if work.f else (nothing, stats)
                 b_out, grads = backward(work.b, grads) if work.b else (nothing, grads)
                 return f_out, b_out, stats, grads

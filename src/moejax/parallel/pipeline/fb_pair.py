@@ -85,6 +85,7 @@ from moejax.model.routing import balance_loss, route
 from moejax.parallel.expert import (
     EXPERT_AXIS,
     Transport,
+    cross_node_copies,
     current_options,
     expert_layout,
     make_transport,
@@ -109,6 +110,7 @@ class Context(NamedTuple):
     cos: jax.Array
     sin: jax.Array
     batch_axes: tuple[str, ...]  # the manual axes tokens are split over
+    cross_node: Callable[[jax.Array], jax.Array]  # copies' expert ids -> copies leaving the node
 
 
 # --- the pieces (per device) ------------------------------------------------------------
@@ -131,7 +133,8 @@ def _attention(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, me
              "balance": varying_over(balance_loss(routing, batch, ctx.config),
                                      ctx.batch_axes)},
             {"order": sent.order, "counts": sent.group_sizes, "labels": out.labels,
-             "outbound": out.context, "dropped": out.dropped})
+             "outbound": out.context, "dropped": out.dropped,
+             "cross_node": ctx.cross_node(routing.experts.reshape(-1))})
 
 
 def _dispatch(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
@@ -181,19 +184,20 @@ class LayerStats(NamedTuple):
     counts: jax.Array  # (E,) int32 on this device
     balance: jax.Array  # unweighted balance loss on this device's sequences
     dropped: jax.Array  # int32
+    cross_node: jax.Array  # int32 copies sent to another node
 
 
 class ForwardState(NamedTuple):
     x: Values  # between blocks: {"h"}
     meta: Meta
-    saved: dict[int, dict[str, tuple[Values, Meta]]]  # block -> piece -> its inputs
+    saved: dict[int, dict[str, Any]]  # block -> piece -> what its backward needs (``keep``)
     stats: dict[int, LayerStats]
 
 
 class BackwardState(NamedTuple):
     ct: Values  # cotangent of the next piece's output (between blocks: {"h"})
     grads: dict[int, nnx.State]  # block -> parameter gradients (this device's part)
-    saved: dict[int, dict[str, tuple[Values, Meta]]]  # the forward's kept inputs
+    saved: dict[int, dict[str, Any]]  # what the forward kept
 
 
 Step = Callable[[Any], Any]
@@ -203,7 +207,19 @@ def _layer(stack: "Stack", i: int) -> tuple[nnx.State, jax.Array]:
     return jax.tree.map(lambda a: a[i], stack.params), stack.biases[i]
 
 
-def _forward_steps(ctx: Context, stack: "Stack") -> list[Step]:
+KEEPS = ("inputs", "pullbacks")
+
+
+def _piece_vjp(ctx: Context, name: str, params: nnx.State, bias: jax.Array, x: Values,
+               meta: Meta) -> tuple[Values, Callable, Meta]:
+    """A piece's outputs, its pullback (cotangent of the outputs -> (d_params, d_x)) and
+    its output meta."""
+    piece = functools.partial(PIECES[name], ctx, bias=bias, meta=meta)
+    return jax.vjp(lambda p, v: piece(nnx.merge(ctx.graphdef, p), x=v), params, x,
+                   has_aux=True)
+
+
+def _forward_steps(ctx: Context, stack: "Stack", keep: str) -> list[Step]:
     steps = []
     for i in range(stack.biases.shape[0]):
         params, bias = _layer(stack, i)
@@ -213,11 +229,14 @@ def _forward_steps(ctx: Context, stack: "Stack") -> list[Step]:
                 x, meta, kept, stats = s.x, s.meta, dict(s.saved.get(i, {})), s.stats
                 block = nnx.merge(ctx.graphdef, params)
                 for name in names:
-                    kept[name] = (x, meta)
-                    x, meta = PIECES[name](ctx, block, bias, x, meta)
+                    if keep == "pullbacks":
+                        x, kept[name], meta = _piece_vjp(ctx, name, params, bias, x, meta)
+                    else:
+                        kept[name] = (x, meta)
+                        x, meta = PIECES[name](ctx, block, bias, x, meta)
                 if names[-1] == "residual":  # block done: its stats out, h on
                     stats = {**stats, i: LayerStats(meta["counts"], x["balance"],
-                                                    meta["dropped"])}
+                                                    meta["dropped"], meta["cross_node"])}
                     x, meta = {"h": x["h"]}, {}
                 return ForwardState(x, meta, {**s.saved, i: kept}, stats)
             steps.append(step)
@@ -235,12 +254,10 @@ def _backward_steps(ctx: Context, stack: "Stack", d_balance: jax.Array) -> list[
                 if names[0] == "residual":  # block start: its balance loss's cotangent in
                     ct = {"h": ct["h"], "balance": d_balance[i]}
                 for name in names:
-                    x, meta = s.saved[i][name]
-                    piece = functools.partial(PIECES[name], ctx, bias=bias, meta=meta)
-                    _, vjp, _ = jax.vjp(
-                        lambda p, v: piece(nnx.merge(ctx.graphdef, p), x=v), params, x,
-                        has_aux=True)
-                    d_params, ct = vjp(ct)
+                    kept = s.saved[i][name]  # a pullback, or the inputs to recompute one
+                    pullback = kept if callable(kept) else _piece_vjp(
+                        ctx, name, params, bias, *kept)[1]
+                    d_params, ct = pullback(ct)
                     grads = d_params if grads is None else jax.tree.map(jnp.add, grads,
                                                                         d_params)
                 return BackwardState(ct, {**s.grads, i: grads}, s.saved)
@@ -285,7 +302,8 @@ class Forward(NamedTuple):
     counts: jax.Array  # (L, E) int32 token copies per expert, over all devices
     balance: jax.Array  # (L,) unweighted balance loss (mean over devices)
     dropped: jax.Array  # int32 copies dropped by a capacity limit, all blocks
-    saved: Any  # every piece's inputs, per device (leading axis): the backward's residuals
+    cross_node: jax.Array  # int32 copies sent to an expert on another node, all blocks
+    saved: Any  # per piece, its inputs or its pullback (``keep``), per device (leading axis)
 
 
 class Backward(NamedTuple):
@@ -307,11 +325,16 @@ def _param_specs(params: nnx.State) -> nnx.State:
 def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
              forward: tuple[Stack, jax.Array] | None = None,
              backward: tuple[Stack, Any, jax.Array, jax.Array] | None = None,
-             order: str = "free") -> tuple[Forward | None, Backward | None]:
+             order: str = "free", keep: str = "inputs"
+             ) -> tuple[Forward | None, Backward | None]:
     """A forward chunk ``(stack, h)`` and a backward chunk ``(stack, saved, d_h, d_balance)``
     of MoE-block stacks, run in ``order`` (one of :data:`ORDERS`).
 
-    Either chunk may be None (a lone forward gives the ``saved`` a backward takes).
+    Either chunk may be None (a lone forward gives the ``saved`` a backward takes). The
+    forward keeps, per piece, what ``keep`` says (:data:`KEEPS`): its ``inputs`` (the
+    backward recomputes the piece: least memory) or its ``pullbacks`` (``jax.vjp``
+    closures holding the piece's residuals: no recompute, for a forward that is itself
+    a recompute inside one traced step, as in the pipeline executor's F&B ticks).
     ``d_h`` is the cotangent of the stack's output, ``d_balance`` (L,) that of its
     per-block balance losses as ``Forward.balance`` reports them (e.g. the aux-loss
     weight). Call under ``jax.set_mesh`` with an ``expert`` axis; ``graphdef`` is one MoE
@@ -322,6 +345,8 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
                           "supports only 'compute' (FP8 transport fuses its exchange)")
     if order not in ORDERS:
         raise ValueError(f"run_pair: order={order!r}; choose from {ORDERS}")
+    if keep not in KEEPS:
+        raise ValueError(f"run_pair: keep={keep!r}; choose from {KEEPS}")
     if forward is None and backward is None:
         raise ValueError("run_pair: give a forward chunk, a backward chunk, or both")
     h_any = forward[1] if forward is not None else backward[2]
@@ -331,16 +356,21 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
     def body(f_in, b_in):
         batch, seq, _ = (f_in[1] if f_in is not None else b_in[2]).shape
         cos, sin = rope_tables(config, jnp.arange(seq)[None, :])
-        transport = make_transport(current_options(), ep, batch_axes,
+        options = current_options()
+        transport = make_transport(options, ep, batch_axes,
                                    batch * seq * config.num_experts_per_tok,
                                    config.n_routed_experts)
-        ctx = Context(graphdef, config, transport, cos, sin, batch_axes)
+        cross_node = functools.partial(
+            cross_node_copies, num_local=config.n_routed_experts // ep,
+            mesh_shape=dict(jax.sharding.get_abstract_mesh().shape),
+            devices_per_node=options.devices_per_node or jax.local_device_count())
+        ctx = Context(graphdef, config, transport, cos, sin, batch_axes, cross_node)
         f = b = None
         f_steps, b_steps = [], []
         if f_in is not None:
             stack, h = f_in
             f_steps = _forward_steps(ctx, stack._replace(
-                params=varying_over(stack.params, batch_axes)))
+                params=varying_over(stack.params, batch_axes)), keep)
             f = ForwardState({"h": h}, {}, {}, {})
         if b_in is not None:
             stack, saved, d_h, d_balance = b_in
@@ -355,7 +385,7 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
     specs = lambda stack: Stack(_param_specs(stack.params), P())  # noqa: E731
     f_specs = None if forward is None else (specs(forward[0]), tokens)
     b_specs = None if backward is None else (specs(backward[0]), per_device, tokens, P())
-    f_out = None if forward is None else Forward(tokens, P(), P(), P(), per_device)
+    f_out = None if forward is None else Forward(tokens, P(), P(), P(), P(), per_device)
     b_out = None if backward is None else Backward(tokens, _param_specs(backward[0].params))
     return jax.shard_map(body, in_specs=(f_specs, b_specs), out_specs=(f_out, b_out))(
         forward, backward)
@@ -369,7 +399,8 @@ def _forward_out(f: ForwardState | None, batch_axes: tuple[str, ...]) -> Forward
     saved = jax.tree.map(lambda a: a[None], varying_over(f.saved, batch_axes))
     return Forward(f.x["h"], total(jnp.stack([s.counts for s in stats])),
                    jax.lax.pmean(jnp.stack([s.balance for s in stats]), batch_axes),
-                   total(sum(s.dropped for s in stats)), saved)
+                   total(sum(s.dropped for s in stats)), total(sum(s.cross_node for s in stats)),
+                   saved)
 
 
 def _backward_out(b: BackwardState | None, b_in: tuple | None,

@@ -67,19 +67,27 @@ class Measured(NamedTuple):
 
 
 def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: int,
-                     repeats: int = 5, profile_dir: pathlib.Path | None = None) -> Measured:
-    """Runs schedule ``name`` over ``mesh`` (its ``pipe`` axis = ranks) on ``problem``."""
+                     repeats: int = 5, profile_dir: pathlib.Path | None = None,
+                     pair_pieces: bool = True,
+                     log: Callable[[str], None] = lambda line: print(line, flush=True),
+                     ) -> Measured:
+    """Runs schedule ``name`` over ``mesh`` (its ``pipe`` axis = ranks) on ``problem``,
+    with the executor's F&B ticks piece by piece or not (``pair_pieces``)."""
     devices = jax.devices()[:mesh.size]
     executor = PipelineExecutor(build(name, mesh.pipe, microbatches), problem.graphdef,
-                                problem.config, problem.dtype, MTP_LAMBDA)
+                                problem.config, problem.dtype, MTP_LAMBDA, pair_pieces)
+    start = time.perf_counter()
     with jax.set_mesh(build_mesh(mesh, devices)):
         step = jax.jit(executor.step)
         run = lambda: step(problem.params, problem.biases, problem.tokens)  # noqa: E731
         step_s = median_seconds(run, repeats)
+        log(f"  {name}: step {step_s * 1e3:.2f} ms ({time.perf_counter() - start:.0f} s "
+            "with compile); timing each tick next")
         if profile_dir is not None:
             with jax.profiler.trace(str(profile_dir / name)):
                 jax.block_until_ready(run())
         result, ticks = executor.timed_step(problem.params, problem.biases, problem.tokens)
+        log(f"  {name}: ticks timed ({time.perf_counter() - start:.0f} s so far)")
     total = sum(ticks)
     bubbles = tuple(sum(t for t, idle in zip(ticks, executor.idle_ticks(r)) if idle) / total
                     for r in range(mesh.pipe))

@@ -11,7 +11,9 @@ rank 0) exist once, and checkpoints do not depend on the schedule.
 ``stage_forward`` has one output structure for every stage, so an executor can
 ``lax.switch`` on a traced stage index; stages of one :class:`StageShape` (e.g. all middle
 stages of an all-MoE split) share one branch that reads its stack rows at traced offsets,
-which keeps the compiled program small when a pipe has many stages.
+which keeps the compiled program small when a pipe has many stages. It is three parts,
+``stage_front`` (embedding, dense blocks), the MoE blocks and ``stage_back`` (head, MTP,
+losses), so the executor can run a stage's MoE blocks piece by piece (``fb_pair``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,17 @@ class StagePlan:
         return min(first, dense), max(first, dense) - dense
 
 
+class StageRows(NamedTuple):
+    """Where a stage's layers sit (each may be traced): its first dense and first MoE
+    block's rows in the stacks as held (all of a stack, or only some ranks' rows, see
+    ``placement``), and its first MoE block's index in the whole model (its router-bias
+    and count row)."""
+
+    dense: jax.Array
+    moe: jax.Array
+    moe_layer: jax.Array
+
+
 def _rows(stack: DecoderBlock, start: jax.Array, size: int) -> DecoderBlock:
     """Blocks ``start..start+size-1`` of a stack (``start`` may be traced)."""
     graphdef, state = nnx.split(stack)
@@ -96,55 +109,91 @@ def _rows(stack: DecoderBlock, start: jax.Array, size: int) -> DecoderBlock:
         lambda x: jax.lax.dynamic_slice_in_dim(x, start, size), state))
 
 
-def stage_forward(shape: StageShape, dense_start: jax.Array, moe_start: jax.Array,
-                  moe_layer: jax.Array, model: DeepseekV3, h: jax.Array, tokens: jax.Array,
-                  mtp_lambda: float) -> tuple[jax.Array, StageStats]:
-    """A stage of ``shape`` starting at those rows of ``model``'s stacks, on one
-    micro-batch: ``h`` (b, S, H) in, next stage's ``h`` out. ``moe_layer`` is the stage's
-    first MoE block in the whole model (its router-bias and count row), which differs from
-    ``moe_start`` when the stacks hold only some ranks' rows (``placement``).
+def _rope(model: DeepseekV3, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return rope_tables(model.config, jnp.arange(tokens.shape[1] - 1)[None, :])
 
-    ``tokens`` is the micro-batch (b, S+1); a first stage ignores ``h`` and embeds
-    ``tokens[:, :-1]``; a last stage returns zeros for ``h`` and puts the losses in
-    ``StageStats``.
-    """
+
+def stage_front(shape: StageShape, rows: StageRows, model: DeepseekV3, h: jax.Array,
+                tokens: jax.Array) -> jax.Array:
+    """What runs before the stage's MoE blocks: the embedding (a first stage ignores ``h``
+    and embeds ``tokens[:, :-1]``) and the dense blocks."""
+    if shape.first:
+        h = model.embed(tokens[:, :-1])
+    if shape.dense:
+        no_bias = jnp.zeros((shape.dense, model.config.n_routed_experts), jnp.float32)
+        h = run_stack(_rows(model.dense_blocks, rows.dense, shape.dense), h, *_rope(model, tokens),
+                      no_bias, model.remat).h
+    return h
+
+
+def stage_moe_blocks(shape: StageShape, rows: StageRows, model: DeepseekV3
+                     ) -> tuple[DecoderBlock, jax.Array]:
+    """The stage's MoE blocks (stacked) and their router-bias rows."""
+    return (_rows(model.moe_blocks, rows.moe, shape.moe),
+            jax.lax.dynamic_slice_in_dim(model.router_bias[...], rows.moe_layer, shape.moe))
+
+
+def moe_stats(model: DeepseekV3, rows: StageRows, counts: jax.Array, balance: jax.Array,
+              dropped: jax.Array, cross_node: jax.Array) -> StageStats:
+    """A stage's stats from its MoE blocks' per-block ``counts`` (L, E) and ``balance``
+    (L,), and their summed ``dropped`` and ``cross_node`` copies; the loss is the aux term."""
     c = model.config
+    every = jnp.zeros(model.router_bias.shape, jnp.int32)
+    aux = c.aux_loss_alpha * balance.sum()
+    zero = jnp.zeros((), jnp.float32)
+    return StageStats(aux, zero, zero, aux,
+                      jax.lax.dynamic_update_slice_in_dim(every, counts, rows.moe_layer, 0),
+                      dropped.astype(jnp.int32), cross_node.astype(jnp.int32))
+
+
+def stage_back(shape: StageShape, model: DeepseekV3, h: jax.Array, tokens: jax.Array,
+               mtp_lambda: float) -> tuple[jax.Array, StageStats]:
+    """What runs after the stage's MoE blocks: nothing but the hand-off, or on a last stage
+    the final norm, head, MTP modules and losses (its ``h`` out is then zeros)."""
+    c = model.config
+    zero = jnp.zeros((), jnp.float32)
+    none = jnp.zeros((), jnp.int32)
+    counts = jnp.zeros(model.router_bias.shape, jnp.int32)
+    if not shape.last:
+        return h.astype(model.dtype), StageStats(zero, zero, zero, zero, counts, none, none)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     seq = inputs.shape[1]
-    cos, sin = rope_tables(c, jnp.arange(seq)[None, :])
+    cos, sin = _rope(model, tokens)
     biases = model.router_bias[...]
-    counts = jnp.zeros(biases.shape, jnp.int32)
-    aux = jnp.zeros((), jnp.float32)
-    dropped = cross_node = jnp.zeros((), jnp.int32)
-    if shape.first:
-        h = model.embed(inputs)
-    if shape.dense:
-        no_bias = jnp.zeros((shape.dense, c.n_routed_experts), jnp.float32)
-        h = run_stack(_rows(model.dense_blocks, dense_start, shape.dense), h, cos, sin,
-                       no_bias, model.remat).h
+    aux, dropped, cross_node = zero, none, none
+    main = cross_entropy(model.head(model.norm(h)), labels)
+    mtp_losses = []
+    for depth, module in enumerate(model.mtp, start=1):
+        row = c.num_moe_layers + depth - 1
+        bias = biases[row] if row < biases.shape[0] else None
+        h, stats = module(h[:, :seq - depth], model.embed(inputs[:, depth:]),
+                          cos[:, :seq - depth], sin[:, :seq - depth], bias)
+        mtp_losses.append(cross_entropy(model.head(module.norm(h)), labels[:, depth:]))
+        if bias is not None:
+            counts = counts.at[row].set(stats.counts)
+            aux = aux + c.aux_loss_alpha * stats.balance_loss
+            dropped, cross_node = dropped + stats.dropped, cross_node + stats.cross_node
+    mtp = jnp.mean(jnp.stack(mtp_losses)) if mtp_losses else zero
+    out = jnp.zeros((tokens.shape[0], seq, c.hidden_size), model.dtype)
+    return out, StageStats(aux + main + mtp_lambda * mtp, main, mtp, aux, counts, dropped,
+                           cross_node)
+
+
+def add_stats(a: StageStats, b: StageStats) -> StageStats:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def stage_forward(shape: StageShape, rows: StageRows, model: DeepseekV3, h: jax.Array,
+                  tokens: jax.Array, mtp_lambda: float) -> tuple[jax.Array, StageStats]:
+    """A stage of ``shape`` at ``rows`` of ``model``'s stacks on one micro-batch
+    ``tokens`` (b, S+1): ``h`` (b, S, H) in, the next stage's ``h`` out (zeros from a last
+    stage, which puts the losses in the stats)."""
+    h = stage_front(shape, rows, model, h, tokens)
+    stats = None
     if shape.moe:
-        h, stats = run_stack(_rows(model.moe_blocks, moe_start, shape.moe), h, cos, sin,
-                              jax.lax.dynamic_slice_in_dim(biases, moe_layer, shape.moe),
-                              model.remat)
-        counts = jax.lax.dynamic_update_slice_in_dim(counts, stats.counts, moe_layer, 0)
-        aux = aux + c.aux_loss_alpha * stats.balance_loss.sum()
-        dropped, cross_node = dropped + stats.dropped.sum(), cross_node + stats.cross_node.sum()
-    main = mtp = jnp.zeros((), jnp.float32)
-    if shape.last:
-        main = cross_entropy(model.head(model.norm(h)), labels)
-        mtp_losses = []
-        for depth, module in enumerate(model.mtp, start=1):
-            row = c.num_moe_layers + depth - 1
-            bias = biases[row] if row < biases.shape[0] else None
-            h, stats = module(h[:, :seq - depth], model.embed(inputs[:, depth:]),
-                              cos[:, :seq - depth], sin[:, :seq - depth], bias)
-            mtp_losses.append(cross_entropy(model.head(module.norm(h)), labels[:, depth:]))
-            if bias is not None:
-                counts = counts.at[row].set(stats.counts)
-                aux = aux + c.aux_loss_alpha * stats.balance_loss
-                dropped, cross_node = dropped + stats.dropped, cross_node + stats.cross_node
-        if mtp_losses:
-            mtp = jnp.mean(jnp.stack(mtp_losses))
-        h = jnp.zeros((tokens.shape[0], seq, c.hidden_size), model.dtype)
-    loss = aux + main + mtp_lambda * mtp
-    return h.astype(model.dtype), StageStats(loss, main, mtp, aux, counts, dropped, cross_node)
+        blocks, biases = stage_moe_blocks(shape, rows, model)
+        h, per_block = run_stack(blocks, h, *_rope(model, tokens), biases, model.remat)
+        stats = moe_stats(model, rows, per_block.counts, per_block.balance_loss,
+                          per_block.dropped.sum(), per_block.cross_node.sum())
+    h, back = stage_back(shape, model, h, tokens, mtp_lambda)
+    return h, back if stats is None else add_stats(stats, back)
