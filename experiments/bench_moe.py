@@ -6,10 +6,15 @@ and XLA's plain all_to_all on the same bytes, side by side in one run.
 
 Several processes (one GPU each) join with ``jax.distributed``, e.g. on one 2-GPU host:
 
-    CUDA_VISIBLE_DEVICES=0 python -m experiments.bench_moe --coordinator localhost:12355 \\
-        --num-processes 2 --process-id 0 &
-    CUDA_VISIBLE_DEVICES=1 python -m experiments.bench_moe --coordinator localhost:12355 \\
-        --num-processes 2 --process-id 1
+    for i in 0 1; do
+      python -m experiments.bench_moe --coordinator localhost:12355 --num-processes 2 \\
+          --process-id $i --local-device-ids $i &
+    done; wait
+
+(across processes the default transport is padded: the ragged one, with
+``XLA_FLAGS=--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true``, hung on 2
+H200). Every process builds the same inputs from the same seeds and contributes its own
+shards of them.
 
 Weak scaling: tokens per device stay fixed as ``expert`` grows. Bytes of the exchange are
 the routed copies each device sends and receives (T*k*H*itemsize each way, twice: dispatch
@@ -27,6 +32,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -44,6 +50,12 @@ def _identity_experts(rows, group_sizes, weights):  # noqa: ARG001 - matches Run
     return rows
 
 
+def _global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host value every process holds alike: each process places
+    only its own devices' shards (no cross-process transfer, unlike ``device_put``)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def bench_one(expert: int, transport: str, token_format: str,
               args: argparse.Namespace) -> dict[str, float]:
     devices = jax.device_count()
@@ -53,12 +65,15 @@ def bench_one(expert: int, transport: str, token_format: str,
     layer = MoE(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32)
     graphdef, params = nnx.split(layer)
     seqs = args.tokens_per_device // args.seq_len * devices
-    x = jax.random.normal(jax.random.key(1), (seqs, args.seq_len, config.hidden_size), dtype)
-    bias = jnp.zeros((config.n_routed_experts,), jnp.float32)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((seqs, args.seq_len, config.hidden_size), np.float32).astype(dtype)
     with jax.set_mesh(mesh), expert_parallel_options(
             ExpertParallelOptions("auto" if transport == "-" else transport,
                                   token_format=token_format)):
-        x = jax.device_put(x, NamedSharding(mesh, P(("data", EXPERT_AXIS))))
+        x = _global(x, NamedSharding(mesh, P(("data", EXPERT_AXIS))))
+        replicated = NamedSharding(mesh, P())
+        params = jax.tree.map(lambda a: _global(np.asarray(a), replicated), params)
+        bias = _global(np.zeros((config.n_routed_experts,), np.float32), replicated)
 
         @jax.jit
         def fwd_bwd(params, x):
@@ -76,9 +91,8 @@ def bench_one(expert: int, transport: str, token_format: str,
 
         k, hidden = config.num_experts_per_tok, config.hidden_size
         rows = args.tokens_per_device * k
-        buffer = jax.device_put(
-            jnp.ones((devices * rows, hidden), dtype),
-            NamedSharding(mesh, P(("data", EXPERT_AXIS))))
+        buffer = _global(np.ones((devices * rows, hidden), dtype),
+                         NamedSharding(mesh, P(("data", EXPERT_AXIS))))
         raw = jax.jit(jax.shard_map(
             lambda b: jax.lax.all_to_all(b, EXPERT_AXIS, 0, 0, tiled=True),
             in_specs=P(("data", EXPERT_AXIS)), out_specs=P(("data", EXPERT_AXIS))))
@@ -119,7 +133,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--transports", default="",
-                        help="comma list of ragged,padded (default: both on GPU, padded on CPU)")
+                        help="comma list of ragged,padded (default: both in one GPU process, "
+                        "padded on CPU or across processes, where ragged hung: README)")
     parser.add_argument("--token-formats", default="",
                         help="comma list of compute,fp8 (default: both on GPU, compute on CPU)")
     parser.add_argument("--profile", default="", help="directory for jax.profiler traces of "
@@ -134,8 +149,9 @@ def main() -> None:
     if args.tokens_per_device % args.seq_len:
         parser.error(f"--tokens-per-device {args.tokens_per_device} must be a multiple of "
                      f"--seq-len {args.seq_len}")
+    padded_only = jax.default_backend() == "cpu" or jax.process_count() > 1
     transports = (args.transports.split(",") if args.transports
-                  else ["padded"] if jax.default_backend() == "cpu" else ["ragged", "padded"])
+                  else ["padded"] if padded_only else ["ragged", "padded"])
     for t in transports:
         if t not in ("ragged", "padded"):
             parser.error(f"--transports: {t!r} is not one of ragged, padded")

@@ -16,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="address of process 0; omit for a single process")
     group.add_argument("--num-processes", type=int, help="processes in the run")
     group.add_argument("--process-id", type=int, help="this process's index, 0-based")
+    group.add_argument("--local-device-ids", metavar="I,J",
+                       help="the accelerators of this host this process drives (one process "
+                       "per GPU: its index); default all of them")
 
 
 def initialize(args: argparse.Namespace) -> None:
@@ -30,5 +33,13 @@ def initialize(args: argparse.Namespace) -> None:
         return
     if args.num_processes is None or args.process_id is None:
         raise ConfigError("--coordinator needs --num-processes and --process-id")
+    local = None
+    if args.local_device_ids:
+        try:
+            local = [int(i) for i in args.local_device_ids.split(",")]
+        except ValueError:
+            raise ConfigError(f"--local-device-ids={args.local_device_ids!r}: must be comma-"
+                              "separated device indices, e.g. 0 or 0,1") from None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               local_device_ids=local)

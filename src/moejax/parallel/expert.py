@@ -43,7 +43,7 @@ TOKEN_FORMATS = ("compute", "fp8")
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallelOptions:
-    transport: str = "auto"  # auto: ragged on GPU/TPU, padded on CPU
+    transport: str = "auto"  # auto: ragged on one GPU/TPU process, else padded
     capacity_factor: float | None = None  # None: dropless
     # Devices per node for the cross-node traffic count; None: devices per process.
     devices_per_node: int | None = None
@@ -66,7 +66,11 @@ class ExpertParallelOptions:
         if self.capacity_factor is not None:
             return "padded"  # capacity limits are a property of the fixed-size buffers
         if self.transport == "auto":
-            return "padded" if jax.default_backend() == "cpu" else "ragged"
+            # XLA:CPU has no ragged_all_to_all. Across processes on GPU (jax 0.11.2, XLA's
+            # NCCL send/recv fallback) it hung on 2 H200 where padded all_to_all ran
+            # (docs/performance.md, expert parallelism, session 6).
+            one_gpu_process = jax.default_backend() != "cpu" and jax.process_count() == 1
+            return "ragged" if one_gpu_process else "padded"
         return self.transport
 
 
