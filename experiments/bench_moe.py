@@ -46,7 +46,7 @@ from moejax.parallel import distributed
 from moejax.parallel.mesh import MeshSpec, build_mesh
 
 
-def _identity_experts(rows, group_sizes, weights):  # noqa: ARG001 - matches RunExperts
+def _identity_experts(rows, group_sizes, weights, rows_fp8):  # noqa: ARG001 - RunExperts
     return rows
 
 

@@ -224,7 +224,7 @@ def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
         with patched(moe, **attrs):
             full = make_step()
             t_full = per_call_seconds(full, [(x, router, weights)], repeats)
-            bare = make_step(lambda rows, sizes, w: rows)  # identity experts: movement + router
+            bare = make_step(lambda rows, sizes, w, rows_fp8: rows)  # identity experts: movement + router
             t_bare = per_call_seconds(bare, [(x, router, weights)], repeats)
             split, top = None, None
             if profile_dir:

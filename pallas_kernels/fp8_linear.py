@@ -74,9 +74,10 @@ def _backward(res, dy, grouped: bool):
     return dx, _wgrad(dy, _along_tokens(x), sizes, grouped, w_dtype.dtype)
 
 
-def _forward(x, w, sizes):
-    """y and the FP8 residuals; w is (G, N, K)."""
-    xq, wq = quantize_1x128(x), _quantize_weights(w)
+def _forward(x, w, sizes, x_fp8: Quantized | None = None):
+    """y and the FP8 residuals; w is (G, N, K). ``x_fp8``: x's 1x128 quantization if the
+    caller already has it (then x itself is not read)."""
+    xq, wq = quantize_1x128(x) if x_fp8 is None else x_fp8, _quantize_weights(w)
     return _fprop(xq, wq, sizes, x.dtype), (xq, wq, sizes, _dtype_marker(x), _dtype_marker(w))
 
 
@@ -98,17 +99,22 @@ fp8_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 @jax.custom_vjp
-def fp8_grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Row r of group g: y[r] = x[r] @ w[g]^T, x (M, K), w (G, N, K); FP8 operands."""
-    return _forward(x, w, group_sizes.astype(jnp.int32))[0]
+def fp8_grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                       x_fp8: Quantized | None = None) -> jax.Array:
+    """Row r of group g: y[r] = x[r] @ w[g]^T, x (M, K), w (G, N, K); FP8 operands.
+
+    ``x_fp8`` = ``quantize_1x128(x)`` where the caller has it already (tokens that travelled
+    in FP8): the GEMM takes it as is instead of re-rounding x, and x is then only the
+    straight-through handle of the gradient (x_fp8 gets none)."""
+    return _forward(x, w, group_sizes.astype(jnp.int32), x_fp8)[0]
 
 
-def _grouped_fwd(x, w, group_sizes):
-    return _forward(x, w, group_sizes.astype(jnp.int32))
+def _grouped_fwd(x, w, group_sizes, x_fp8):
+    return _forward(x, w, group_sizes.astype(jnp.int32), x_fp8)
 
 
 def _grouped_bwd(res, dy):
-    return (*_backward(res, dy, grouped=True), None)
+    return (*_backward(res, dy, grouped=True), None, None)
 
 
 fp8_grouped_linear.defvjp(_grouped_fwd, _grouped_bwd)

@@ -224,7 +224,7 @@ def test_fp8_tokens_arrive_as_their_1x128_quantization(moe):
     x = x * jnp.exp(jax.random.normal(jax.random.key(5), (x.shape[-1],)))  # uneven columns
     weights = ExpertWeights(moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...])
 
-    def identity(rows, group_sizes, weights):
+    def identity(rows, group_sizes, weights, rows_fp8):
         return rows
 
     with jax.set_mesh(_mesh(expert=8)), _fp8_options("padded"):
@@ -255,3 +255,45 @@ def test_fp8_transport_layer_and_gradients_within_fp8_error(moe, transport, monk
     assert 1e-4 < rel(got, ref) < 0.05  # quantized (not exact), within E4M3's error
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)):
         assert rel(a, b) < 0.1
+
+
+def test_fp8_tokens_feed_the_fp8_expert_gemms_as_they_arrived(monkeypatch):
+    """With FP8 expert GEMMs, rows that travelled in FP8 go into the gate and up GEMMs as
+    they arrived (values and 1x128 scales: no dequantize-then-requantize pass), and the
+    layer equals the one-device FP8 layer, which quantizes the same rows itself."""
+    import importlib
+    from moejax.precision import Precision
+    # the module (the package's attribute of that name is the function fp8_linear)
+    fp8_linear = importlib.import_module("pallas_kernels.fp8_linear")
+    fp8_moe = MoE(CONFIG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                  precision=Precision.FP8)
+    x, bias = _inputs(51)
+    x = (x * jnp.exp(jax.random.normal(jax.random.key(6), (x.shape[-1],)))).astype(jnp.bfloat16)
+    ref = _call(fp8_moe, x, bias).y.astype(jnp.float32)
+    given = []
+    forward = fp8_linear._forward
+
+    def spy(x, w, sizes, x_fp8=None):
+        given.append(x_fp8 is not None)
+        return forward(x, w, sizes, x_fp8)
+
+    monkeypatch.setattr(fp8_linear, "_forward", spy)
+    with jax.set_mesh(_mesh(expert=8)), _fp8_options("padded"):
+        got = _call(fp8_moe, x, bias).y.astype(jnp.float32)
+    # routed gate and up took the arrived FP8 rows; the shared experts' (never sent) did not
+    assert sorted(given) == [False, False, True, True]
+    rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    assert rel < 1e-4, rel
+
+    # gradients pass straight through the travelled quantization, as on one device; the
+    # routed experts' FP8 wgrad quantizes along tokens, which arrive in another order than
+    # on one device (other 1x128 token tiles), so those differ within E4M3's error
+    monkeypatch.undo()
+    step = nnx.jit(nnx.grad(lambda m, a: jnp.sum(m(a, bias).y.astype(jnp.float32) ** 2),
+                            argnums=(0, 1)))
+    ref_grads = step(fp8_moe, x)
+    with jax.set_mesh(_mesh(expert=8)), _fp8_options("padded"):
+        got_grads = step(fp8_moe, x)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 0.05 * np.linalg.norm(b) + 1e-6

@@ -8,7 +8,7 @@ kernels' FP8 grouped linears (``moejax.precision``).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -22,9 +22,10 @@ class ExpertWeights(NamedTuple):
 
 
 def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
-                   precision: Precision = Precision.BF16) -> jax.Array:
+                   x_fp8: Any = None, precision: Precision = Precision.BF16) -> jax.Array:
     """down_g(silu(x gate_g) * (x up_g)) for the rows of each group g; rows past the groups' sum
-    are padding and come back as zeros."""
-    gate = grouped_linear(x, weights.gate, group_sizes, precision)
-    up = grouped_linear(x, weights.up, group_sizes, precision)
+    are padding and come back as zeros. ``x_fp8``: x's 1x128 FP8 quantization where the rows
+    arrived in FP8 (the FP8 gate/up GEMMs take it instead of re-quantizing x)."""
+    gate = grouped_linear(x, weights.gate, group_sizes, precision, x_fp8)
+    up = grouped_linear(x, weights.up, group_sizes, precision, x_fp8)
     return grouped_swiglu_linear(gate, up, weights.down, group_sizes, precision)

@@ -38,7 +38,7 @@ def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
     logits = jnp.dot(flat.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
     routing = route(logits, bias, config)
     sent = dispatch(flat, routing.experts, config.n_routed_experts)
-    y_sorted = run_experts(sent.tokens, sent.group_sizes, weights)
+    y_sorted = run_experts(sent.tokens, sent.group_sizes, weights, None)
     y = combine(y_sorted, sent.order, routing.weights).reshape(batch, seq, hidden)
     balance = balance_loss(routing, batch, config)
     no_copies = jnp.zeros((), jnp.int32)

@@ -276,7 +276,8 @@ class _Ragged(_Transport):
         return back
 
 
-RunExperts = Callable[[jax.Array, jax.Array, ExpertWeights], jax.Array]
+# (rows, group_sizes, weights, rows' FP8 quantization or None) -> expert outputs
+RunExperts = Callable[[jax.Array, jax.Array, ExpertWeights, Any], jax.Array]
 Transport = _Padded | _Ragged
 
 
@@ -296,21 +297,23 @@ def _pack_fp8(tokens: jax.Array, scales: jax.Array) -> jax.Array:
     return jnp.concatenate([jax.lax.bitcast_convert_type(tokens, jnp.uint8), scale_bytes], 1)
 
 
-def _unpack_fp8(packed: jax.Array, hidden: int, dtype: jnp.dtype) -> jax.Array:
+def _unpack_fp8(packed: jax.Array, hidden: int) -> tuple[jax.Array, jax.Array]:
     tokens = jax.lax.bitcast_convert_type(packed[:, :hidden], jnp.float8_e4m3fn)
     scale_bytes = packed[:, hidden:].reshape(packed.shape[0], -1, 4)
-    scales = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
-    return pallas_kernels.dequantize(tokens, scales, 1).astype(dtype)
+    return tokens, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _dispatch_fp8(transport: Transport, num_experts: int, num_experts_per_token: int,
-                  x: jax.Array, expert_ids: jax.Array) -> tuple[Received, jax.Array]:
+                  x: jax.Array, expert_ids: jax.Array
+                  ) -> tuple[Received, jax.Array, tuple[jax.Array, jax.Array]]:
     """Sort + FP8-quantize (one fused pass), exchange the bytes, dequantize on arrival.
 
-    Returns what arrived, in ``x``'s dtype, and the sender's sort permutation. The
-    backward treats quantization as identity (straight-through) and sends the gradient
-    back in ``x``'s dtype, as DeepSeek-V3's combine-side communication does.
+    Returns what arrived, in ``x``'s dtype, the sender's sort permutation, and the arrived
+    rows as they travelled (FP8 values, 1x128 scales) for FP8 GEMMs to take as is (then
+    the dequantized copy is dead code). The backward treats quantization as identity
+    (straight-through) and sends the gradient back in ``x``'s dtype, as DeepSeek-V3's
+    combine-side communication does.
     """
     return _dispatch_fp8_fwd(transport, num_experts, num_experts_per_token, x, expert_ids)[0]
 
@@ -320,8 +323,9 @@ def _dispatch_fp8_fwd(transport, num_experts, num_experts_per_token, x, expert_i
     sent = pallas_kernels.dispatch(x, expert_ids, num_experts, quantize=True)
     sorted_ids = expert_ids.reshape(-1)[sent.permutation]
     received = transport.send(_pack_fp8(sent.tokens, sent.scales), sorted_ids, sent.group_sizes)
-    tokens = _unpack_fp8(received.tokens, x.shape[1], x.dtype)
-    return ((received._replace(tokens=tokens), sent.permutation),
+    quantized = _unpack_fp8(received.tokens, x.shape[1])
+    tokens = pallas_kernels.dequantize(*quantized, 1).astype(x.dtype)
+    return ((received._replace(tokens=tokens), sent.permutation, quantized),
             (received.context, sent.permutation))
 
 
@@ -383,14 +387,16 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
     counts = jnp.bincount(copies, length=experts).astype(jnp.int32)
     transport = make_transport(options, ep, batch_axes, flat.shape[0] * k, experts)
     if options.token_format == "fp8":
-        received, order = _dispatch_fp8(transport, experts, k, flat, routing.experts)
+        received, order, quantized = _dispatch_fp8(transport, experts, k, flat,
+                                                   routing.experts)
     else:
         sent = dispatch(flat, routing.experts, experts)
-        order = sent.order
+        order, quantized = sent.order, None
         received = transport.send(sent.tokens, copies[order], sent.group_sizes)
     weights = varying_over(weights, tuple(a for a in batch_axes if a != EXPERT_AXIS))
-    y_rows = transport.send_back(run_experts(received.tokens, received.group_sizes, weights),
-                                 received.context)
+    y_rows = transport.send_back(
+        run_experts(received.tokens, received.group_sizes, weights, quantized),
+        received.context)
     y = combine(y_rows, order, routing.weights).reshape(batch, seq, hidden)
 
     balance = balance_loss(routing, batch, config)
@@ -421,8 +427,9 @@ def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
                         run_experts: RunExperts = grouped_swiglu) -> tuple[jax.Array, RoutingStats]:
     """The routed part of a MoE layer with experts sharded over the mesh's ``expert`` axis.
 
-    ``run_experts(rows, group_sizes, weights)`` maps the received rows (grouped by local
-    expert) to outputs;
+    ``run_experts(rows, group_sizes, weights, rows_fp8)`` maps the received rows (grouped by
+    local expert) to outputs; ``rows_fp8`` is their FP8 quantization as it travelled with
+    FP8 tokens (the FP8 expert GEMMs take it without re-rounding), else None;
     benchmarks pass an identity to time the token exchange alone.
     """
     mesh = jax.sharding.get_abstract_mesh()

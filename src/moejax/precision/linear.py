@@ -9,6 +9,8 @@ FP8 and recomputes its output in backward.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from pallas_kernels import grouped_gemm
@@ -55,10 +57,11 @@ def swiglu_linear(gate: jax.Array, up: jax.Array, kernel: jax.Array, precision: 
 
 
 def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                   precision: Precision) -> jax.Array:
-    """Row r of group g: ``x[r] @ w[g]``; x (M, in), w (G, in, out), in x's dtype."""
+                   precision: Precision, x_fp8: Any = None) -> jax.Array:
+    """Row r of group g: ``x[r] @ w[g]``; x (M, in), w (G, in, out), in x's dtype.
+    ``x_fp8``: x's ``quantize_1x128`` when it exists already (FP8 uses it; BF16 ignores it)."""
     if precision is Precision.FP8:
-        return fp8_grouped_linear(x, jnp.swapaxes(w, 1, 2), group_sizes)
+        return fp8_grouped_linear(x, jnp.swapaxes(w, 1, 2), group_sizes, x_fp8)
     return grouped_gemm(x, w.astype(x.dtype), group_sizes)
 
 

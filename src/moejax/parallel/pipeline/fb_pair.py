@@ -151,7 +151,8 @@ def _experts(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta
                                      meta["dropped"])
     mlp = block.mlp
     weights = ExpertWeights(mlp.gate_proj[...], mlp.up_proj[...], mlp.down_proj[...])
-    y = grouped_swiglu(received.tokens, received.group_sizes, weights, mlp.precision)
+    y = grouped_swiglu(received.tokens, received.group_sizes, weights,
+                       precision=mlp.precision)
     normed = x.pop("normed")
     shared = None if mlp.shared_experts is None else mlp.shared_experts(normed)
     return ({**x, "rows": ctx.transport.unarrange(y, received.context), "shared": shared},
