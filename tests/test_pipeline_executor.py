@@ -155,3 +155,18 @@ def test_study_measures_the_executor(capsys):
     assert len(measured) == 2  # the executor's table and the study's table
     assert "%" in measured[0].split()[4] and "pending" not in measured[1]
     assert "not run" in next(line for line in lines if line.startswith("gpipe "))
+
+
+def test_timed_step_chain_equals_the_step():
+    """The timing chain (held rows, init, a tick range run tick by tick, finish) gives the
+    jitted step's loss and gradients, and one time per tick."""
+    from moejax.parallel.pipeline.measure import MTP_LAMBDA as STUDY_LAMBDA, make_problem
+    p = make_problem("tiny", 2, 4, 4, "float32")
+    executor = PipelineExecutor(build("1f1b", 2, 4), p.graphdef, p.config, p.dtype,
+                                STUDY_LAMBDA)
+    with jax.set_mesh(build_mesh(MeshSpec(pipe=2), jax.devices()[:2])):
+        want = jax.jit(executor.step)(p.params, p.biases, p.tokens)
+        got, step_s, ticks = executor.timed_step(p.params, p.biases, p.tokens, repeats=1)
+    np.testing.assert_allclose(got.total, want.total, rtol=1e-6)
+    assert _max_relative_error(want.grads, got.grads) < 1e-5
+    assert len(ticks) == executor.tables.num_ticks and step_s > 0

@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import ModelConfig
 from moejax.model import DeepseekV3, ModelOutput
+from moejax.profiling import median_seconds
 from moejax.parallel.expert import current_options, expert_axis_size
 from moejax.parallel.pipeline.paired import Chunk, fb_tick, pairs_pieces
 from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement
@@ -255,33 +256,41 @@ class PipelineExecutor:
 
     # --- public -----------------------------------------------------------------------
 
+    def _ticks(self, held: nnx.State, biases: nnx.State, mb_tokens: jax.Array, carry: Carry,
+               start: int | jax.Array, stop: int | jax.Array) -> Carry:
+        """Ticks ``start..stop-1`` (static bounds: a scan; traced: a while loop)."""
+        tables = {k: jnp.asarray(v) for k, v in self._rows().items()}
+        return jax.lax.fori_loop(
+            start, stop, lambda t, c: self._tick(held, biases, mb_tokens, c,
+                                                 {k: v[t] for k, v in tables.items()}),
+            carry)
+
     def step(self, params: nnx.State, biases: nnx.State, tokens: jax.Array) -> StepResult:
         """The whole pipelined forward + backward of ``tokens`` (B, S+1) (trace under jit)."""
         m = self.schedule.num_microbatches
-        tables = {k: jnp.asarray(v) for k, v in self._rows().items()}
         specs = self.placement.specs(params)
 
         def body(params, biases, tokens):
             held, unfetch = self._held(params)
             mb_tokens = split_microbatches(tokens, m)
             carry = self._init(held, biases, mb_tokens)
-            carry, _ = jax.lax.scan(
-                lambda c, row: (self._tick(held, biases, mb_tokens, c, row), None),
-                carry, tables)
+            carry = self._ticks(held, biases, mb_tokens, carry, 0, self.tables.num_ticks)
             return self._finish(carry, unfetch, m)
 
         out_specs = StepResult(*(P(),) * 7, specs)
         return jax.shard_map(body, in_specs=(specs, P(), P()), out_specs=out_specs,
                              axis_names={PIPE_AXIS}, check_vma=False)(params, biases, tokens)
 
-    def timed_step(self, params: nnx.State, biases: nnx.State, tokens: jax.Array
-                   ) -> tuple[StepResult, list[float]]:
-        """``step`` with the host waiting after each tick: the result and each tick's wall
-        time in seconds (every rank runs in lock-step, so a tick lasts as long as its
-        slowest rank's op). Each piece is compiled (and the tick run once) before timing."""
+    def timed_step(self, params: nnx.State, biases: nnx.State, tokens: jax.Array,
+                   repeats: int = 5, profile_dir: str | None = None
+                   ) -> tuple[StepResult, float, list[float]]:
+        """The step as four jitted programs (fetch held rows, init buffers, a range of
+        ticks, finish), each compiled once: the result, the median wall time of the whole
+        chain over ``repeats`` runs, and each tick's wall time (the host waits after each;
+        every rank runs in lock-step, so a tick lasts as long as its slowest rank's op).
+        The tick-range program takes its bounds as arguments, so the step and the per-tick
+        timing share one compile of the tick loop. ``profile_dir``: one chain traced."""
         m = self.schedule.num_microbatches
-        rows = [{k: jnp.asarray(v[t]) for k, v in self._rows().items()}
-                for t in range(self.tables.num_ticks)]
         mine = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
         stack = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
         per_rank = P(PIPE_AXIS)
@@ -291,23 +300,35 @@ class PipelineExecutor:
             return jax.jit(jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
                                          axis_names={PIPE_AXIS}, check_vma=False))
 
-        held = sharded(lambda p: stack(self._held(p)[0]), (specs,), per_rank)(params)
+        held_of = sharded(lambda p: stack(self._held(p)[0]), (specs,), per_rank)
         init = sharded(lambda h, b, tok: stack(self._init(mine(h), b,
                                                           split_microbatches(tok, m))),
                        (per_rank, P(), P()), per_rank)
-        tick = sharded(lambda h, b, tok, c, row: stack(self._tick(
-            mine(h), b, split_microbatches(tok, m), mine(c), row)),
-                       (per_rank, P(), P(), per_rank, P()), per_rank)
+        ticks = sharded(lambda h, b, tok, c, start, stop: stack(self._ticks(
+            mine(h), b, split_microbatches(tok, m), mine(c), start, stop)),
+                        (per_rank, P(), P(), per_rank, P(), P()), per_rank)
         finish = sharded(lambda p, c: self._finish(mine(c), self._held(p)[1], m),
                          (specs, per_rank), StepResult(*(P(),) * 7, specs))
+        num_ticks = jnp.int32(self.tables.num_ticks)
+
+        def chain() -> StepResult:
+            held = held_of(params)
+            carry = init(held, biases, tokens)
+            return finish(params, ticks(held, biases, tokens, carry, jnp.int32(0), num_ticks))
+
+        step_s = median_seconds(chain, repeats)
+        if profile_dir is not None:
+            with jax.profiler.trace(profile_dir):
+                jax.block_until_ready(chain())
+        held = held_of(params)
         carry = jax.block_until_ready(init(held, biases, tokens))
-        jax.block_until_ready(tick(held, biases, tokens, carry, rows[0]))
         times = []
-        for row in rows:
+        for t in range(self.tables.num_ticks):
             start = time.perf_counter()
-            carry = jax.block_until_ready(tick(held, biases, tokens, carry, row))
+            carry = jax.block_until_ready(ticks(held, biases, tokens, carry, jnp.int32(t),
+                                                jnp.int32(t + 1)))
             times.append(time.perf_counter() - start)
-        return finish(params, carry), times
+        return finish(params, carry), step_s, times
 
     def idle_ticks(self, rank: int) -> list[bool]:
         """Per tick: True where ``rank`` runs no F or B (idle, or a W that runs nothing)."""

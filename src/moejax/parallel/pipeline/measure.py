@@ -3,10 +3,12 @@
 Used by ``experiments/pipeline_study.py``. Every number here is a wall-clock or a trace
 measurement of compiled code (compiled and run once before timing), never a model.
 
-- :func:`measure_schedule`: the whole jitted step (median of repeats) and, from a second
-  run that waits after every tick, each tick's time. A rank's measured bubble is the time
-  of the ticks in which it runs no F or B, over the sum of tick times (lock-step ticks hide
-  the imbalance inside a tick, so this is a lower bound of its idle time).
+- :func:`measure_schedule`: the step (median of repeats of ``PipelineExecutor.timed_step``'s
+  chain of programs, whose tick loop takes its bounds as arguments) and, from a run that
+  waits after every tick of the same compiled loop, each tick's time. A rank's measured
+  bubble is the time of the ticks in which it runs no F or B, over the sum of tick times
+  (lock-step ticks hide the imbalance inside a tick, so this is a lower bound of its idle
+  time).
 - :func:`fb_pair`: one F&B pair of two micro-batches through the model's MoE blocks on a
   mesh without ``pipe`` (e.g. ``expert=2``): the forward of micro-batch A interleaved
   piece by piece with the backward of micro-batch B (``fb_pair.run_pair``) in each of
@@ -78,16 +80,11 @@ def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: 
                                 problem.config, problem.dtype, MTP_LAMBDA, pair_pieces)
     start = time.perf_counter()
     with jax.set_mesh(build_mesh(mesh, devices)):
-        step = jax.jit(executor.step)
-        run = lambda: step(problem.params, problem.biases, problem.tokens)  # noqa: E731
-        step_s = median_seconds(run, repeats)
-        log(f"  {name}: step {step_s * 1e3:.2f} ms ({time.perf_counter() - start:.0f} s "
-            "with compile); timing each tick next")
-        if profile_dir is not None:
-            with jax.profiler.trace(str(profile_dir / name)):
-                jax.block_until_ready(run())
-        result, ticks = executor.timed_step(problem.params, problem.biases, problem.tokens)
-        log(f"  {name}: ticks timed ({time.perf_counter() - start:.0f} s so far)")
+        result, step_s, ticks = executor.timed_step(
+            problem.params, problem.biases, problem.tokens, repeats,
+            None if profile_dir is None else str(profile_dir / name))
+    log(f"  {name}: step {step_s * 1e3:.2f} ms, ticks timed ({time.perf_counter() - start:.0f} s "
+        "with compile)")
     total = sum(ticks)
     bubbles = tuple(sum(t for t, idle in zip(ticks, executor.idle_ticks(r)) if idle) / total
                     for r in range(mesh.pipe))
