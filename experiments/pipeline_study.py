@@ -95,7 +95,8 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
     print(f"executor on {mesh} ({args.preset}, {problem.config.num_hidden_layers} layers, "
           f"batch {args.batch} x seq {args.seq}, {args.dtype}; F&B ticks pair {pairs})")
     print(f"{'schedule':<10} {'step ms':>9} {'ticks':>5} {'sum ticks ms':>12} "
-          f"{'bubble/rank (measured)':<30} {'layers held/rank':<17} {'act buf/rank':<13} loss")
+          f"{'bubble/rank (measured)':<30} {'layers held/rank':<17} {'act buf/rank':<13} "
+          f"{'peak GiB/rank':<14} loss")
     bubbles = {}
     names = args.schedules.split(",")
     if unknown := sorted(set(names) - set(SCHEDULES)):
@@ -113,12 +114,16 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
         per_rank = ",".join(f"{b:.1%}" for b in m.bubble_fraction)
         held = ",".join(map(str, m.layers_held))
         buffers = ",".join(map(str, m.act_entries))
+        peak = ("-" if m.peak_bytes is None else
+                ",".join(f"{b / 2**30:.2f}" for b in m.peak_bytes))
         print(f"{name:<10} {m.step_s * 1e3:>9.2f} {len(m.tick_s):>5} "
               f"{sum(m.tick_s) * 1e3:>12.2f} {per_rank:<30} {held:<17} {buffers:<13} "
-              f"{m.loss:.5f}")
+              f"{peak:<14} {m.loss:.5f}")
     print(f"layers held: rows of the stacked layers a rank's stages hold during the step "
           f"(of {problem.config.num_hidden_layers}); act buf: stage inputs its buffer "
-          "holds at once (the executor's allocation)\n")
+          "holds at once (the executor's allocation); peak: the device allocator's peak since "
+          "the process began (one schedule per process for a per-schedule figure; - where "
+          "the backend keeps none)\n")
     return bubbles
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 from experiments import pipeline_study
 from moejax.config import ConfigError, get_model_preset
 from moejax.model import DeepseekV3, RouterBias
+from moejax.parallel.expert import ExpertParallelOptions, expert_parallel_options
 from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.parallel.pipeline import SCHEDULES, build
 from moejax.parallel.pipeline.executor import PipelineExecutor
@@ -85,6 +86,29 @@ def test_executor_matches_whole_batch_step(problem, name, spec):
     np.testing.assert_allclose(result.aux, aux, rtol=1e-5)
     np.testing.assert_array_equal(result.counts, counts)
     assert _max_relative_error(grads, result.grads) < 1e-4
+
+
+def test_executor_with_fp8_tokens_matches_the_sharded_step(problem):
+    """FP8 token transport: DualPipe's F&B ticks pair pieces whose dispatch sends FP8 rows;
+    the oracle is the unpipelined step on the same expert mesh with the same FP8 tokens
+    (both quantize the same rows, so they agree far inside FP8's error)."""
+    config, graphdef, params, biases, tokens, *_ = problem
+    spec = MeshSpec(pipe=2, expert=4)
+    executor = PipelineExecutor(build("dualpipe", 2, 4), graphdef, config, jnp.float32,
+                                MTP_LAMBDA)
+    options = ExpertParallelOptions(token_format="fp8")
+
+    def loss_fn(params):
+        out = nnx.merge(graphdef, params, biases).forward(tokens[:, :-1])
+        main, mtp = losses(out, tokens[:, 1:])
+        return main + MTP_LAMBDA * mtp + out.aux_loss
+
+    with jax.set_mesh(build_mesh(spec)), expert_parallel_options(options):
+        assert any(executor.runs_pieces(w) for w in executor.programs[0])
+        total, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+        result = jax.jit(executor.step)(params, biases, tokens)
+    np.testing.assert_allclose(result.total, total, rtol=1e-5)
+    assert _max_relative_error(grads, result.grads) < 1e-3
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -170,3 +194,22 @@ def test_timed_step_chain_equals_the_step():
     np.testing.assert_allclose(got.total, want.total, rtol=1e-6)
     assert _max_relative_error(want.grads, got.grads) < 1e-5
     assert len(ticks) == executor.tables.num_ticks and step_s > 0
+
+
+def test_peak_memory_is_reported_per_pipe_rank():
+    """The study's peak column: per pipe rank, the largest allocator peak of its devices;
+    none where a backend keeps no statistics (XLA:CPU)."""
+    from types import SimpleNamespace
+    from moejax.parallel.pipeline.measure import _peak_bytes
+
+    def device(peak):
+        return SimpleNamespace(memory_stats=lambda: None if peak is None
+                               else {"peak_bytes_in_use": peak})
+
+    grid = np.empty((2, 2), object)  # (pipe, expert)
+    for (r, e), peak in np.ndenumerate(np.array([[5, 7], [3, 2]])):
+        grid[r, e] = device(int(peak))
+    mesh = SimpleNamespace(axis_names=("pipe", "expert"), devices=grid)
+    assert _peak_bytes(mesh) == (7, 3)
+    grid[1, 1] = device(None)
+    assert _peak_bytes(mesh) is None

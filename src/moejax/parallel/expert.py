@@ -341,6 +341,31 @@ def _dispatch_fp8_bwd(transport, num_experts, num_experts_per_token, residuals, 
 _dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def exchange_fp8(transport: Transport, rows: jax.Array, labels: Any, context: Any
+                 ) -> tuple[jax.Array, Any]:
+    """``transport.exchange`` with the rows on the wire as FP8 and their 1x128 scales (one
+    packed byte row each), dequantized to ``rows``' dtype on arrival: the exchange alone,
+    for callers that run it as its own piece (``fb_pair``). The backward is straight-
+    through, the gradient returning in ``rows``' dtype by the exchange's transpose
+    (``exchange_back``), as in ``_dispatch_fp8``."""
+    return _exchange_fp8_fwd(transport, rows, labels, context)[0]
+
+
+def _exchange_fp8_fwd(transport, rows, labels, context):
+    packed, moved = transport.exchange(_pack_fp8(*pallas_kernels.quantize_1x128(rows)),
+                                       labels, context)
+    arrived = pallas_kernels.dequantize(*_unpack_fp8(packed, rows.shape[1]), 1)
+    return (arrived.astype(rows.dtype), moved), context
+
+
+def _exchange_fp8_bwd(transport, context, cotangents):
+    return transport.exchange_back(cotangents[0], context), None, None
+
+
+exchange_fp8.defvjp(_exchange_fp8_fwd, _exchange_fp8_bwd)
+
+
 def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
                              devices_per_node: int) -> jax.Array:
     """Node of the device at ``position`` along ``expert`` and this device's batch coordinates.

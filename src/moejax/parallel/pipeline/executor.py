@@ -40,9 +40,8 @@ run. Two separate conditionals would not do: a conditional is one instruction to
 scheduler, so their bodies could never interleave. When both stages have MoE blocks and
 the mesh has an ``expert`` axis (there is an exchange to hide), the tick runs them piece
 by piece (:mod:`.paired`: attention / dispatch / experts / combine, ``fb_pair``'s
-``free`` order, B's recompute keeping the pieces' pullbacks); ``pair_pieces=False``, FP8
-token transport (its exchange is fused with quantisation) or no expert axis run the two
-whole stage functions side by side instead.
+``free`` order, B's recompute keeping the pieces' pullbacks); ``pair_pieces=False`` or no
+expert axis run the two whole stage functions side by side instead.
 """
 
 from __future__ import annotations
@@ -60,14 +59,14 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import ModelConfig
 from moejax.model import DeepseekV3, ModelOutput
-from moejax.profiling import median_seconds
-from moejax.parallel.expert import current_options, expert_axis_size
+from moejax.parallel.expert import expert_axis_size
 from moejax.parallel.pipeline.paired import Chunk, fb_tick, pairs_pieces
 from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import (StagePlan, StageRows, StageShape, StageStats,
                                              add_stats, stage_forward)
 from moejax.parallel.pipeline.tables import ACT_SOURCES, GRAD_SOURCES, TickTables, tick_tables
+from moejax.profiling import median_seconds
 
 class StepResult(NamedTuple):
     """One pipelined step: means over micro-batches, sums of counts, summed gradients."""
@@ -161,8 +160,7 @@ class PipelineExecutor:
 
     def runs_pieces(self, work: Work) -> bool:
         """Whether ``work``'s F&B tick runs piece by piece (call under the mesh)."""
-        return (self.pair_pieces and pairs_pieces(work.f, work.b) and expert_axis_size() > 1
-                and current_options().token_format == "compute")
+        return self.pair_pieces and pairs_pieces(work.f, work.b) and expert_axis_size() > 1
 
     @functools.cached_property
     def _moe_layers(self) -> np.ndarray:
@@ -254,8 +252,6 @@ class PipelineExecutor:
         rank = jax.lax.axis_index(PIPE_AXIS)
         return jax.vjp(lambda p: self.placement.fetch(p, rank), gathered(params))
 
-    # --- public -----------------------------------------------------------------------
-
     def _ticks(self, held: nnx.State, biases: nnx.State, mb_tokens: jax.Array, carry: Carry,
                start: int | jax.Array, stop: int | jax.Array) -> Carry:
         """Ticks ``start..stop-1`` (static bounds: a scan; traced: a while loop)."""
@@ -264,6 +260,8 @@ class PipelineExecutor:
             start, stop, lambda t, c: self._tick(held, biases, mb_tokens, c,
                                                  {k: v[t] for k, v in tables.items()}),
             carry)
+
+    # --- public -----------------------------------------------------------------------
 
     def step(self, params: nnx.State, biases: nnx.State, tokens: jax.Array) -> StepResult:
         """The whole pipelined forward + backward of ``tokens`` (B, S+1) (trace under jit)."""

@@ -62,8 +62,10 @@ one chain ahead, but nothing fuses across a step either) and ``sequential`` (one
 between the chains: the backward's inputs wait for the forward's outputs; the baseline).
 On 2 H200 (``docs/performance.md``) ``free`` hid half the exposed communication of
 ``sequential`` and was the fastest; ``lockstep`` was no faster than ``sequential``.
-FP8 token transport is not supported here (its exchange is fused with quantisation in one
-custom VJP).
+With FP8 tokens (``token_format="fp8"``) the dispatch piece sends the rows as FP8 with
+their 1x128 scales (``expert.exchange_fp8``: quantize, exchange the bytes, dequantize; the
+gradient comes back in the compute dtype), so the quantize and dequantize passes sit in
+that piece beside its exchange.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from moejax.config import ConfigError, ModelConfig
+from moejax.config import ModelConfig
 from moejax.model.decoder import DecoderBlock
 from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
@@ -87,6 +89,7 @@ from moejax.parallel.expert import (
     Transport,
     cross_node_copies,
     current_options,
+    exchange_fp8,
     expert_layout,
     make_transport,
     varying_over,
@@ -110,6 +113,7 @@ class Context(NamedTuple):
     cos: jax.Array
     sin: jax.Array
     batch_axes: tuple[str, ...]  # the manual axes tokens are split over
+    fp8_tokens: bool  # rows travel as FP8 with 1x128 scales
     cross_node: Callable[[jax.Array], jax.Array]  # copies' expert ids -> copies leaving the node
 
 
@@ -140,7 +144,9 @@ def _attention(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, me
 def _dispatch(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
               ) -> tuple[Values, Meta]:
     x = dict(x)
-    arrived, labels = ctx.transport.exchange(x.pop("rows"), meta["labels"], meta["outbound"])
+    exchange = (functools.partial(exchange_fp8, ctx.transport) if ctx.fp8_tokens
+                else ctx.transport.exchange)
+    arrived, labels = exchange(x.pop("rows"), meta["labels"], meta["outbound"])
     return {**x, "arrived": arrived}, {**meta, "labels": labels}
 
 
@@ -341,9 +347,6 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
     weight). Call under ``jax.set_mesh`` with an ``expert`` axis; ``graphdef`` is one MoE
     ``DecoderBlock``'s.
     """
-    if current_options().token_format != "compute":
-        raise ConfigError(f"token_format={current_options().token_format!r}: the F&B pair "
-                          "supports only 'compute' (FP8 transport fuses its exchange)")
     if order not in ORDERS:
         raise ValueError(f"run_pair: order={order!r}; choose from {ORDERS}")
     if keep not in KEEPS:
@@ -365,7 +368,8 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
             cross_node_copies, num_local=config.n_routed_experts // ep,
             mesh_shape=dict(jax.sharding.get_abstract_mesh().shape),
             devices_per_node=options.devices_per_node or jax.local_device_count())
-        ctx = Context(graphdef, config, transport, cos, sin, batch_axes, cross_node)
+        ctx = Context(graphdef, config, transport, cos, sin, batch_axes,
+                      options.token_format == "fp8", cross_node)
         f = b = None
         f_steps, b_steps = [], []
         if f_in is not None:

@@ -25,12 +25,14 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moejax.config import ModelConfig, get_model_preset
 from moejax.model import DeepseekV3, RouterBias
 from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.parallel.pipeline.executor import PipelineExecutor
+from moejax.parallel.pipeline.placement import PIPE_AXIS
 from moejax.parallel.pipeline.fb_pair import ORDERS, Stack, run_pair
 from moejax.parallel.pipeline.schedule import build
 from moejax.profiling import median_seconds, profile
@@ -66,6 +68,21 @@ class Measured(NamedTuple):
     loss: float
     layers_held: tuple[int, ...]  # per rank: layer rows its stages hold during the step
     act_entries: tuple[int, ...]  # per rank: stage inputs its activation buffer holds
+    # per rank, the most any of its devices has held since the process began (bytes;
+    # None where the backend keeps no statistics, e.g. XLA:CPU)
+    peak_bytes: tuple[int, ...] | None
+
+
+def _peak_bytes(mesh: jax.sharding.Mesh) -> tuple[int, ...] | None:
+    """Per ``pipe`` rank, the largest ``peak_bytes_in_use`` of its devices."""
+    pipe = mesh.axis_names.index(PIPE_AXIS)
+    by_rank: dict[int, int] = {}
+    for index, device in np.ndenumerate(mesh.devices):
+        stats = device.memory_stats()
+        if stats is None or "peak_bytes_in_use" not in stats:
+            return None
+        by_rank[index[pipe]] = max(by_rank.get(index[pipe], 0), stats["peak_bytes_in_use"])
+    return tuple(by_rank[r] for r in sorted(by_rank))
 
 
 def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: int,
@@ -79,7 +96,8 @@ def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: 
     executor = PipelineExecutor(build(name, mesh.pipe, microbatches), problem.graphdef,
                                 problem.config, problem.dtype, MTP_LAMBDA, pair_pieces)
     start = time.perf_counter()
-    with jax.set_mesh(build_mesh(mesh, devices)):
+    device_mesh = build_mesh(mesh, devices)
+    with jax.set_mesh(device_mesh):
         result, step_s, ticks = executor.timed_step(
             problem.params, problem.biases, problem.tokens, repeats,
             None if profile_dir is None else str(profile_dir / name))
@@ -91,7 +109,7 @@ def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: 
     held = tuple(sum(len(s.held[r]) for s in executor.placement.stacks.values())
                  for r in range(mesh.pipe))
     return Measured(step_s, tuple(ticks), bubbles, float(result.total), held,
-                    executor.tables.act_entries)
+                    executor.tables.act_entries, _peak_bytes(device_mesh))
 
 
 class OrderResult(NamedTuple):

@@ -48,6 +48,7 @@ def pairs_pieces(f: StageShape | None, b: StageShape | None) -> bool:
 
 
 def _moe_stack(chunk: Chunk, model: DeepseekV3) -> Stack:
+    """The chunk's MoE blocks and router-bias rows as ``fb_pair`` takes them."""
     blocks, biases = stage_moe_blocks(chunk.shape, chunk.rows, model)
     return Stack(nnx.split(blocks)[1], biases)
 
