@@ -8,7 +8,7 @@ pipeline mesh axis can later shard. The aux-loss-free router biases of every MoE
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +131,21 @@ class DeepseekV3(nnx.Module):
         return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype),
                        preferred_element_type=jnp.float32)
 
+    def mtp_depths(self, h: jax.Array, input_ids: jax.Array, cos: jax.Array, sin: jax.Array
+                   ) -> Iterator[tuple[int, jax.Array, RoutingStats | None]]:
+        """Per MTP depth d (1, 2, ...): its normed hidden states (b, S-d, H), which the
+        shared head turns into predictions of token i+d+1, and its MoE block's routing
+        stats (None for a dense MTP block); ``h`` is the main model's last hidden state."""
+        c = self.config
+        seq = input_ids.shape[1]
+        biases = self.router_bias[...]
+        for depth, module in enumerate(self.mtp, start=1):
+            row = c.num_moe_layers + depth - 1
+            bias = biases[row] if row < biases.shape[0] else None
+            h, stats = module(h[:, :seq - depth], self.embed(input_ids[:, depth:]),
+                              cos[:, :seq - depth], sin[:, :seq - depth], bias)
+            yield depth, module.norm(h), None if bias is None else stats
+
     def forward(self, input_ids: jax.Array) -> ModelOutput:
         c = self.config
         if input_ids.ndim != 2:
@@ -150,13 +165,9 @@ class DeepseekV3(nnx.Module):
         logits = self.head(self.norm(h))
 
         mtp_logits = []
-        for depth, module in enumerate(self.mtp, start=1):
-            row = c.num_moe_layers + depth - 1
-            bias = biases[row] if row < biases.shape[0] else None
-            h, stats = module(h[:, :seq - depth], self.embed(input_ids[:, depth:]),
-                              cos[:, :seq - depth], sin[:, :seq - depth], bias)
-            mtp_logits.append(self.head(module.norm(h)))
-            if bias is not None:
+        for _, normed, stats in self.mtp_depths(h, input_ids, cos, sin):
+            mtp_logits.append(self.head(normed))
+            if stats is not None:
                 rows.append(jax.tree.map(lambda x: x[None], stats))
         if not rows:
             rows.append(jax.tree.map(lambda x: x[None][:0],

@@ -158,19 +158,13 @@ def stage_back(shape: StageShape, model: DeepseekV3, h: jax.Array, tokens: jax.A
         return h.astype(model.dtype), StageStats(zero, zero, zero, zero, counts, none, none)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     seq = inputs.shape[1]
-    cos, sin = _rope(model, tokens)
-    biases = model.router_bias[...]
     aux, dropped, cross_node = zero, none, none
     main = cross_entropy(model.head(model.norm(h)), labels)
     mtp_losses = []
-    for depth, module in enumerate(model.mtp, start=1):
-        row = c.num_moe_layers + depth - 1
-        bias = biases[row] if row < biases.shape[0] else None
-        h, stats = module(h[:, :seq - depth], model.embed(inputs[:, depth:]),
-                          cos[:, :seq - depth], sin[:, :seq - depth], bias)
-        mtp_losses.append(cross_entropy(model.head(module.norm(h)), labels[:, depth:]))
-        if bias is not None:
-            counts = counts.at[row].set(stats.counts)
+    for depth, normed, stats in model.mtp_depths(h, inputs, *_rope(model, tokens)):
+        mtp_losses.append(cross_entropy(model.head(normed), labels[:, depth:]))
+        if stats is not None:
+            counts = counts.at[c.num_moe_layers + depth - 1].set(stats.counts)
             aux = aux + c.aux_loss_alpha * stats.balance_loss
             dropped, cross_node = dropped + stats.dropped, cross_node + stats.cross_node
     mtp = jnp.mean(jnp.stack(mtp_losses)) if mtp_losses else zero
