@@ -87,3 +87,36 @@ def test_trainer_fails_before_compiling_when_the_step_cannot_fit(monkeypatch, tm
     with pytest.raises(ConfigError, match=r"largest term is .* GiB\)") as err:
         trainer.run()
     assert "DOES NOT FIT" in str(err.value) and not compiled
+
+
+def test_pipelined_terms_follow_the_placement(no_workspace_compile):
+    """pipe=2: stored state is exactly what each device holds once placed (the MoE stack
+    split over pipe by the sharding rules, nothing divided twice); DualPipe on two ranks
+    holds every stage on each rank, so the held rows are the whole model, twice (the
+    parameters and their gradient accumulator)."""
+    import jax
+    import numpy as np
+    from moejax.parallel.mesh import build_mesh
+    from moejax.train.placement import train_state_shardings
+    from moejax.train.optimizer import make_optimizer
+    from moejax.train.step import state_initializer
+
+    cfg = apply_overrides(get_experiment_preset("tiny"), [
+        "model.num_hidden_layers=9", "train.seq_len=32", "train.batch_size=16",
+        "train.pipeline_schedule=dualpipe"])
+    spec = MeshSpec(pipe=2, data=2, expert=2)
+    budget = budget_model.estimate(cfg, spec, device_memory=2**40)
+    _, init = state_initializer(cfg)
+    state = jax.jit(init)(jax.numpy.uint32(0))
+    mesh = build_mesh(spec)
+    placed = jax.device_put(state, train_state_shardings(state, mesh, make_optimizer(cfg.train),
+                                                         cfg.train.zero_stage))
+    on_device = lambda tree: sum(  # noqa: E731
+        next(s.data.nbytes for s in leaf.addressable_shards if s.device == mesh.devices.flat[0])
+        for leaf in jax.tree.leaves(tree))
+    assert budget.term("parameters").bytes == on_device(placed.params) + on_device(placed.biases)
+    assert budget.term("optimizer state").bytes == on_device(placed.opt_state)
+    whole = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(state.params))
+    assert budget.term("pipeline stage rows held").bytes == 2 * whole
+    micro = 16 // (2 * 2 * 4)  # batch over data x expert x the 4 micro-batches
+    assert f"micro-batch {micro} x 32" in budget.term("saved activations").note

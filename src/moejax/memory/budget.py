@@ -7,17 +7,23 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   (``moejax.train.placement.train_state_shardings`` over an abstract mesh of the requested
   shape), each leaf counted at its per-device shard shape. ZeRO-3 splits all three over
   ``data``, ZeRO-1 only the optimizer state; experts split over ``expert``. Gradients have
-  the FP32 master parameters' shapes and layout. With ``pipe`` > 1 the stacked layers are
-  split into ``ceil(n / pipe)`` per stage and the embedding, head and MTP module are counted
-  on the same (worst) device, as DualPipe puts the first and last stage together.
+  the FP32 master parameters' shapes and layout. With ``pipe`` > 1 the layer stacks are
+  stored split over ``pipe`` where it divides them (the ``layers -> pipe`` rule), else whole
+  on every rank, exactly as the sharding rules place them.
+- **pipeline stage rows held** (``pipe`` > 1): inside the step the executor gathers the
+  parameters over the other axes and fetches the rows of its rank's stages
+  (``parallel.pipeline.placement``: DualPipe holds twice the layers over the pipe), and
+  accumulates their gradients alike: twice those bytes on the busiest rank.
 - **EMA**: a parameter copy in pinned host memory (``moejax.memory.ema``): 0 device bytes
   where the backend has ``pinned_host``, else counted on the device.
 - **saved activations** (per micro-batch): exactly what autodiff keeps for backward under
   the remat policy, read from the traced loss (``saved_residuals`` of the model at the
   per-device micro-batch): the residuals that are not step inputs. It follows the model's
   code, so the remat policy, the compute dtype and any FP8 activation storage show up as
-  they are. With ``pipe`` > 1: the worst stage's share of the layers times the micro-batches
-  in flight there (DualPipe: pipe + 1).
+  they are. With ``pipe`` > 1 the executor keeps only stage inputs between ticks and
+  recomputes a stage in its B tick: the largest stage's share of one micro-batch's
+  residuals, plus the stage inputs and gradients its buffers hold at once
+  (``parallel.pipeline.tables``, busiest rank).
 - **backward workspace**: what XLA's temp buffers hold beyond the gradients and the saved
   activations: the activations of the block being differentiated (recomputed ones under
   remat), their cotangents, the loss head's logits-sized buffers, and kernel scratch (on
@@ -45,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +62,10 @@ from jax.sharding import AbstractMesh, AxisType
 from moejax.config import ConfigError
 from moejax.memory.ema import has_host_memory
 from moejax.parallel.mesh import AXES, MeshSpec
+from moejax.parallel.pipeline.placement import ParamPlacement
+from moejax.parallel.pipeline.schedule import build as build_schedule
+from moejax.parallel.pipeline.stages import StagePlan
+from moejax.parallel.pipeline.tables import tick_tables
 from moejax.parallel.sharding import STACKED
 from moejax.train.config import ExperimentConfig, apply_overrides
 from moejax.train.optimizer import make_optimizer
@@ -128,16 +138,12 @@ def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
     return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def _per_device(tree: Any, shardings: Any, pipe: int) -> int:
-    """Bytes of the worst device's shards; stacked layers split ``ceil(n / pipe)``."""
-    total = 0
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings), strict=True):
-        shape = list(sharding.shard_shape(leaf.shape))
-        if pipe > 1 and any(name in jax.tree_util.keystr(path) for name in STACKED):
-            shape[0] = -(-shape[0] // pipe)
-        total += _nbytes(tuple(shape), leaf.dtype)
-    return total
+def _per_device(tree: Any, shardings: Any) -> int:
+    """Bytes of one device's shards (the shardings split stacks over ``pipe`` where they
+    can, so every device holds the same)."""
+    return sum(_nbytes(sharding.shard_shape(leaf.shape), leaf.dtype)
+               for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings),
+                                         strict=True))
 
 
 def _gathered_layer(params: Any, shardings: Any, data: int) -> int:
@@ -213,20 +219,56 @@ def exchange_bytes(cfg: ExperimentConfig, mesh: MeshSpec, micro_batch: int,
     return 2 * ep * capacity * (row_bytes + 4)  # tokens and int32 expert ids, both ways
 
 
+class PipelineTerms(NamedTuple):
+    held: int  # bytes: the busiest rank's gathered stage rows, parameters + gradients
+    stage_share: float  # the largest stage's layers over all layers
+    buffers: int  # bytes: stage inputs and gradients the busiest rank's buffers hold
+
+
+def pipeline_terms(cfg: ExperimentConfig, mesh: MeshSpec, params: Any, micro_batch: int
+                   ) -> PipelineTerms:
+    """What the pipeline executor adds on a device, for ``micro_batch`` sequences per
+    micro-batch; ``params`` is the abstract parameter state."""
+    schedule = build_schedule(cfg.train.pipeline_schedule, mesh.pipe,
+                              cfg.train.microbatches or 2 * mesh.pipe)
+    plan = StagePlan.split(cfg.model, schedule.num_stages)
+    placement = ParamPlacement.build(plan, schedule)
+    held = [0] * mesh.pipe
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = getattr(path[0], "key", None)
+        for rank in range(mesh.pipe):
+            if name in placement.stacks:
+                rows = len(placement.stacks[name].held[rank])
+                held[rank] += rows * _nbytes(leaf.shape[1:], leaf.dtype)
+            else:
+                held[rank] += _nbytes(leaf.shape, leaf.dtype)
+    tables = tick_tables(schedule)
+    entries = max(a + g for a, g in zip(tables.act_entries, tables.grad_entries))
+    entry = _nbytes((micro_batch, cfg.train.seq_len, cfg.model.hidden_size),
+                    cfg.train.compute_dtype)
+    largest = max(end - start for start, end in plan.layers)
+    return PipelineTerms(2 * max(held), largest / cfg.model.num_hidden_layers,
+                         entries * entry)
+
+
 def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
              micro_batch: int | None = None, device_memory: int | None = None) -> Budget:
     """The per-device budget of ``cfg``'s train step on ``mesh`` (default ``cfg.mesh``).
 
     ``micro_batch``: sequences per device per forward/backward (default: the global batch
-    over data x expert, as the train step runs it). Compiles one reduced-depth step.
+    over data x expert, and over the micro-batches with ``pipe`` > 1, as the train step
+    runs it). Compiles one reduced-depth step.
     """
     mesh = mesh or cfg.mesh
     tc = cfg.train
     batch_shards = mesh.data * mesh.expert
+    if mesh.pipe > 1:
+        batch_shards *= tc.microbatches or 2 * mesh.pipe
     if micro_batch is None:
         if tc.batch_size % batch_shards:
             raise ConfigError(f"train.batch_size={tc.batch_size}: must divide over data x "
-                              f"expert = {batch_shards}, or pass a micro-batch")
+                              f"expert (x micro-batches when pipelined) = {batch_shards}, "
+                              "or pass a micro-batch")
         micro_batch = tc.batch_size // batch_shards
     ema_on_host = has_host_memory(jax.devices()[0])
     transport = cfg.expert_parallel.resolved_transport()
@@ -235,14 +277,11 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     abstract: TrainState = jax.eval_shape(init, jnp.uint32(0))
     shardings = train_state_shardings(abstract, _abstract_mesh(mesh), make_optimizer(tc),
                                       tc.zero_stage)
-    pipe = mesh.pipe
-    params = _per_device(abstract.params, shardings.params, pipe)
-    biases = _per_device(abstract.biases, shardings.biases, pipe)
-    optimizer = _per_device(abstract.opt_state, shardings.opt_state, pipe)
-
-    layers = cfg.model.num_hidden_layers
-    stage_share = 1.0 if pipe == 1 else min(1.0, math.ceil(layers / pipe) / layers)
-    in_flight = 1 if pipe == 1 else pipe + 1
+    params = _per_device(abstract.params, shardings.params)
+    biases = _per_device(abstract.biases, shardings.biases)
+    optimizer = _per_device(abstract.opt_state, shardings.opt_state)
+    pipeline = (pipeline_terms(cfg, mesh, abstract.params, micro_batch) if mesh.pipe > 1
+                else PipelineTerms(0, 1.0, 0))
     saved = saved_activation_bytes(cfg, micro_batch)
     workspace = workspace_bytes(cfg, micro_batch)
     gathered = (_gathered_layer(abstract.params, shardings.params, mesh.data)
@@ -261,10 +300,15 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
              ("off" if not tc.ema_decay else "pinned host memory" if ema_on_host
               else "no pinned_host memory kind here: kept on the device"),
              on_device=not ema_on_host),
-        Term("saved activations", int(saved * stage_share * in_flight),
+        Term("pipeline stage rows held", pipeline.held,
+             "gathered stage rows and their gradients, busiest rank" if pipeline.held
+             else "n/a (pipe=1)"),
+        Term("saved activations", int(saved * pipeline.stage_share) + pipeline.buffers,
              f"micro-batch {micro_batch} x {tc.seq_len} tokens, remat={tc.remat}, "
              f"precision={tc.precision}, compute {tc.compute_dtype}"
-             + (f", x{in_flight} in flight" if in_flight > 1 else "")),
+             + (f"; {pipeline.stage_share:.0%} of the layers recomputed per B, "
+                f"{pipeline.buffers / GIB:.3f} GiB of stage inputs in flight"
+                if mesh.pipe > 1 else "")),
         Term("backward workspace", workspace, "XLA temp of a reduced-depth step beyond "
                                               "gradients and saved activations"),
         Term("ZeRO-3 gathered layer", gathered,
