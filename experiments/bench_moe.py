@@ -44,6 +44,7 @@ from moejax.parallel.expert import (EXPERT_AXIS, ExpertParallelOptions, expert_p
 from moejax import profiling
 from moejax.parallel import distributed
 from moejax.parallel.mesh import MeshSpec, build_mesh
+from moejax.precision import PRECISIONS, Precision
 
 
 def _identity_experts(rows, group_sizes, weights, rows_fp8):  # noqa: ARG001 - RunExperts
@@ -62,7 +63,8 @@ def bench_one(expert: int, transport: str, token_format: str,
     mesh = build_mesh(MeshSpec(data=devices // expert, expert=expert))
     config = get_model_preset(args.preset)
     dtype = jnp.dtype(args.dtype)
-    layer = MoE(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32)
+    layer = MoE(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32,
+                precision=Precision(args.precision))
     graphdef, params = nnx.split(layer)
     seqs = args.tokens_per_device // args.seq_len * devices
     rng = np.random.default_rng(1)
@@ -132,6 +134,9 @@ def main() -> None:
     parser.add_argument("--tokens-per-device", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                        help="expert GEMMs: bf16, or fp8 (FP8 tokens then feed the FP8 GEMMs "
+                        "as they arrived)")
     parser.add_argument("--transports", default="",
                         help="comma list of ragged,padded (default: both in one GPU process, "
                         "padded on CPU or across processes, where ragged hung: README)")
@@ -169,7 +174,8 @@ def main() -> None:
     if jax.process_index() != 0:
         return
     print(f"# {jax.devices()[0].device_kind} x{devices}, {jax.process_count()} process(es), "
-          f"preset {args.preset}, {args.tokens_per_device} tokens/device, {args.dtype} compute")
+          f"preset {args.preset}, {args.tokens_per_device} tokens/device, {args.dtype} compute, "
+          f"{args.precision} expert GEMMs")
     base = rows[0]["tokens_per_s_per_device"]
     print(f"{'expert':>6} {'transport':>9} {'tokens':>7} {'layer ms':>9} {'tok/s/dev':>11} {'vs e=1':>7} "
           f"{'exch ms':>8} {'exch GB/s':>9} {'raw a2a GB/s':>12} {'exch/raw':>8} "
