@@ -11,7 +11,8 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   stored split over ``pipe`` where it divides them (the ``layers -> pipe`` rule), else whole
   on every rank, exactly as the sharding rules place them.
 - **pipeline stage rows held** (``pipe`` > 1): inside the step the executor gathers the
-  parameters over the other axes and fetches the rows of its rank's stages
+  parameters over ``data`` (routed experts stay split over ``expert``) and fetches the rows
+  of its rank's stages
   (``parallel.pipeline.placement``: DualPipe holds twice the layers over the pipe), and
   accumulates their gradients alike: twice those bytes on the busiest rank.
 - **EMA**: a parameter copy in pinned host memory (``moejax.memory.ema``): 0 device bytes
@@ -66,7 +67,7 @@ from moejax.parallel.pipeline.placement import ParamPlacement
 from moejax.parallel.pipeline.schedule import build as build_schedule
 from moejax.parallel.pipeline.stages import StagePlan
 from moejax.parallel.pipeline.tables import tick_tables
-from moejax.parallel.sharding import STACKED
+from moejax.parallel.sharding import STACKED, param_logical_axes
 from moejax.train.config import ExperimentConfig, apply_overrides
 from moejax.train.optimizer import make_optimizer
 from moejax.train.placement import train_state_shardings
@@ -234,14 +235,17 @@ def pipeline_terms(cfg: ExperimentConfig, mesh: MeshSpec, params: Any, micro_bat
     plan = StagePlan.split(cfg.model, schedule.num_stages)
     placement = ParamPlacement.build(plan, schedule)
     held = [0] * mesh.pipe
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = getattr(path[0], "key", None)
+    for keys, variable in nnx.to_flat_state(params):
+        leaf = variable.get_value()
+        # gathered over data, routed experts still split over expert (executor.gathered)
+        shape = [n // mesh.expert if axis == "expert" and n % mesh.expert == 0 else n
+                 for n, axis in zip(leaf.shape, param_logical_axes(keys, leaf.ndim))]
         for rank in range(mesh.pipe):
-            if name in placement.stacks:
-                rows = len(placement.stacks[name].held[rank])
-                held[rank] += rows * _nbytes(leaf.shape[1:], leaf.dtype)
+            if keys[0] in placement.stacks:
+                rows = len(placement.stacks[keys[0]].held[rank])
+                held[rank] += rows * _nbytes(shape[1:], leaf.dtype)
             else:
-                held[rank] += _nbytes(leaf.shape, leaf.dtype)
+                held[rank] += _nbytes(shape, leaf.dtype)
     tables = tick_tables(schedule)
     entries = max(a + g for a, g in zip(tables.act_entries, tables.grad_entries))
     entry = _nbytes((micro_batch, cfg.train.seq_len, cfg.model.hidden_size),

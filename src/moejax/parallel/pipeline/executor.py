@@ -59,12 +59,13 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import ModelConfig
 from moejax.model import DeepseekV3, ModelOutput
-from moejax.parallel.expert import expert_axis_size
+from moejax.parallel.expert import EXPERT_AXIS, expert_axis_size
 from moejax.parallel.pipeline.paired import Chunk, fb_tick, pairs_pieces
-from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement
+from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement, map_leaves
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import (StagePlan, StageRows, StageShape, StageStats,
                                              add_stats, stage_forward)
+from moejax.parallel.sharding import param_logical_axes
 from moejax.parallel.pipeline.tables import ACT_SOURCES, GRAD_SOURCES, TickTables, tick_tables
 from moejax.profiling import median_seconds
 
@@ -342,10 +343,13 @@ class PipelineExecutor:
 
 
 def gathered(params: nnx.State) -> nnx.State:
-    """``params`` whole on every device of the automatic axes (ZeRO-3 shards gathered once,
-    before the tick loop): no partitioner-made collective may sit inside a tick's branch,
-    where ranks of ``pipe`` that take another branch would never join it."""
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), params)
+    """``params`` gathered over ``data`` (ZeRO-3 shards, once, before the tick loop) with
+    routed experts kept split over ``expert``, as the MoE layers' own shard_map takes them."""
+    def constrain(path: tuple, value: jax.Array) -> jax.Array:
+        axes = param_logical_axes(path, value.ndim)
+        return jax.lax.with_sharding_constraint(
+            value, P(*(EXPERT_AXIS if a == "expert" else None for a in axes)))
+    return map_leaves(params, constrain)
 
 
 def split_microbatches(tokens: jax.Array, num_microbatches: int) -> jax.Array:

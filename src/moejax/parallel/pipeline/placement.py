@@ -47,7 +47,7 @@ def _padded(rows: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarray:
     return out
 
 
-def _map_leaves(state: nnx.State, fn: Callable[[tuple, Any], Any]) -> nnx.State:
+def map_leaves(state: nnx.State, fn: Callable[[tuple, Any], Any]) -> nnx.State:
     """``state`` with every leaf's value replaced by ``fn(path, value)``."""
     return nnx.from_flat_state([(path, v.replace(fn(path, v[...])))
                                 for path, v in nnx.to_flat_state(state)])
@@ -149,17 +149,17 @@ class ParamPlacement:
 
     def specs(self, params: nnx.State) -> nnx.State:
         """``shard_map`` specs over ``pipe``: split stacks by their layer axis, the rest whole."""
-        return _map_leaves(params, lambda path, _: P(PIPE_AXIS) if self._split(path) else P())
+        return map_leaves(params, lambda path, _: P(PIPE_AXIS) if self._split(path) else P())
 
     def fetch(self, params: nnx.State, rank: jax.Array) -> nnx.State:
         """The parameters this rank computes with: stacks cut to its rows, the rest as is."""
         def local(path: tuple, value: jax.Array) -> jax.Array:
             stack = self._stack_of(path)
             return value if stack is None else stack.fetch(value, rank)
-        return _map_leaves(params, local)
+        return map_leaves(params, local)
 
     def reduce_grads(self, grads: nnx.State) -> nnx.State:
         """Gradients w.r.t. the stored parameters (the fetch's VJP applied) summed over
         ``pipe`` where storage is whole; split stacks were summed by the VJP's rounds."""
-        return _map_leaves(grads, lambda path, g: g if self._split(path)
+        return map_leaves(grads, lambda path, g: g if self._split(path)
                            else jax.lax.psum(g, PIPE_AXIS))
