@@ -231,7 +231,7 @@ def pipeline_terms(cfg: ExperimentConfig, mesh: MeshSpec, params: Any, micro_bat
     """What the pipeline executor adds on a device, for ``micro_batch`` sequences per
     micro-batch; ``params`` is the abstract parameter state."""
     schedule = build_schedule(cfg.train.pipeline_schedule, mesh.pipe,
-                              cfg.train.microbatches or 2 * mesh.pipe)
+                              cfg.train.microbatches_on(mesh.pipe))
     plan = StagePlan.split(cfg.model, schedule.num_stages)
     placement = ParamPlacement.build(plan, schedule)
     held = [0] * mesh.pipe
@@ -267,7 +267,7 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     tc = cfg.train
     batch_shards = mesh.data * mesh.expert
     if mesh.pipe > 1:
-        batch_shards *= tc.microbatches or 2 * mesh.pipe
+        batch_shards *= tc.microbatches_on(mesh.pipe)
     if micro_batch is None:
         if tc.batch_size % batch_shards:
             raise ConfigError(f"train.batch_size={tc.batch_size}: must divide over data x "

@@ -297,10 +297,13 @@ def _pack_fp8(tokens: jax.Array, scales: jax.Array) -> jax.Array:
     return jnp.concatenate([jax.lax.bitcast_convert_type(tokens, jnp.uint8), scale_bytes], 1)
 
 
-def _unpack_fp8(packed: jax.Array, hidden: int) -> tuple[jax.Array, jax.Array]:
+def _unpack_fp8(packed: jax.Array, hidden: int, dtype: jnp.dtype
+                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Arrived byte rows -> (dequantized rows in ``dtype``, (FP8 values, 1x128 scales))."""
     tokens = jax.lax.bitcast_convert_type(packed[:, :hidden], jnp.float8_e4m3fn)
     scale_bytes = packed[:, hidden:].reshape(packed.shape[0], -1, 4)
-    return tokens, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+    quantized = tokens, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+    return pallas_kernels.dequantize(*quantized, 1).astype(dtype), quantized
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -323,8 +326,7 @@ def _dispatch_fp8_fwd(transport, num_experts, num_experts_per_token, x, expert_i
     sent = pallas_kernels.dispatch(x, expert_ids, num_experts, quantize=True)
     sorted_ids = expert_ids.reshape(-1)[sent.permutation]
     received = transport.send(_pack_fp8(sent.tokens, sent.scales), sorted_ids, sent.group_sizes)
-    quantized = _unpack_fp8(received.tokens, x.shape[1])
-    tokens = pallas_kernels.dequantize(*quantized, 1).astype(x.dtype)
+    tokens, quantized = _unpack_fp8(received.tokens, x.shape[1], x.dtype)
     return ((received._replace(tokens=tokens), sent.permutation, quantized),
             (received.context, sent.permutation))
 
@@ -355,8 +357,7 @@ def exchange_fp8(transport: Transport, rows: jax.Array, labels: Any, context: An
 def _exchange_fp8_fwd(transport, rows, labels, context):
     packed, moved = transport.exchange(_pack_fp8(*pallas_kernels.quantize_1x128(rows)),
                                        labels, context)
-    arrived = pallas_kernels.dequantize(*_unpack_fp8(packed, rows.shape[1]), 1)
-    return (arrived.astype(rows.dtype), moved), context
+    return (_unpack_fp8(packed, rows.shape[1], rows.dtype)[0], moved), context
 
 
 def _exchange_fp8_bwd(transport, context, cotangents):

@@ -113,6 +113,10 @@ class TrainConfig:
         if self.microbatches is not None:
             _check_positive_int("train", self, ("microbatches",))
 
+    def microbatches_on(self, pipe: int) -> int:
+        """Micro-batches per step on ``pipe`` pipeline ranks (train.microbatches, default 2P)."""
+        return self.microbatches or 2 * pipe
+
     @property
     def total_schedule_steps(self) -> int:
         return self.schedule_steps or self.steps
@@ -181,7 +185,7 @@ class ExperimentConfig:
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per step of a pipelined run (train.microbatches, default 2P)."""
-        return self.train.microbatches or 2 * self.mesh.pipe
+        return self.train.microbatches_on(self.mesh.pipe)
 
     def _check_pipeline(self) -> None:
         """The schedule accepts (P, M), and every stage gets at least one layer."""

@@ -234,13 +234,13 @@ def _forward_steps(ctx: Context, stack: "Stack", keep: str) -> list[Step]:
             def step(s: ForwardState, i=i, params=params, bias=bias, names=names
                      ) -> ForwardState:
                 x, meta, kept, stats = s.x, s.meta, dict(s.saved.get(i, {})), s.stats
-                block = nnx.merge(ctx.graphdef, params)
                 for name in names:
                     if keep == "pullbacks":
                         x, kept[name], meta = _piece_vjp(ctx, name, params, bias, x, meta)
                     else:
                         kept[name] = (x, meta)
-                        x, meta = PIECES[name](ctx, block, bias, x, meta)
+                        x, meta = PIECES[name](ctx, nnx.merge(ctx.graphdef, params), bias,
+                                               x, meta)
                 if names[-1] == "residual":  # block done: its stats out, h on
                     stats = {**stats, i: LayerStats(meta["counts"], x["balance"],
                                                     meta["dropped"], meta["cross_node"])}
