@@ -285,10 +285,11 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
 
 
 def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
-                   cfg: Bf16Config | None = None) -> jax.Array:
+                   cfg: Bf16Config | None = None, interpret: bool = False) -> jax.Array:
     """Rows of group g of a (M, K) @ b[g]: b (G, K, N) when b_kn, else b (G, N, K) used
     transposed. Rows past sum(group_sizes) are zeros. M and K are zero-padded to the
-    tile grid and N to a multiple of 128 when needed (a copy; rare in training shapes)."""
+    tile grid and N to a multiple of 128 when needed (a copy; rare in training shapes).
+    ``interpret``: on the CPU (``mosaic_common.persistent_call``; b_kn only)."""
     cfg = cfg or DEFAULT_CONFIG
     if a.dtype != b.dtype or a.dtype.itemsize != 2:
         raise ValueError(f"grouped_matmul (mosaic) wants equal 16-bit a and b; got "
@@ -302,7 +303,8 @@ def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
     mp, np_ = a.shape[0], (b.shape[2] if b_kn else b.shape[1])
     ends = visit_ends(group_sizes, m)
     body = functools.partial(_rows_kernel, groups=groups, b_kn=b_kn, tile_n=tile_n, cfg=cfg)
-    out = persistent_call(body, _out_shape((mp, np_), out_dtype, a, b), ends, a, b)
+    out = persistent_call(body, _out_shape((mp, np_), out_dtype, a, b), ends, a, b,
+                          interpret=interpret)
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
 

@@ -27,14 +27,33 @@ def available() -> bool:
     return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
+INTERPRETED_SMS = 3  # persistent CTAs when interpreted: fewer than the tiles of a test
+
+
 def sm_count() -> int:
     """Streaming multiprocessors of the GPU: one persistent CTA each."""
     return jax.devices()[0].core_count
 
 
-def persistent_call(body, out_type, *operands):
+def _interpret_params():
+    """Mosaic GPU's interpreter (CPU threads simulating warpgroups, shared memory, TMA and
+    barriers, with race detection); private in jax, present from 0.10."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError as err:
+        raise NotImplementedError(f"jax {jax.__version__} has no Mosaic GPU interpreter") \
+            from err
+    return InterpretGPUParams()
+
+
+def persistent_call(body, out_type, *operands, interpret: bool = False):
     """``body`` on a persistent grid (one CTA per SM) of one TMA producer and two consumer
     warpgroups, on ``operands``.
+
+    ``interpret``: run on the CPU under Mosaic GPU's interpreter, on `INTERPRETED_SMS`
+    CTAs, to test a kernel's logic without a GPU. jax 0.10's interpreter runs the
+    row-grouped BF16 kernel with N-major weights (fprop); it does not yet interpret
+    transposed WGMMA operands (dgrad, wgrad) or register layout casts (the FP8 kernel).
 
     ``plgpu.kernel`` traces with shard_map's varying-axes checks off and types its output
     as the same on every device; under a ``shard_map`` that checks them, the output gets
@@ -46,12 +65,13 @@ def persistent_call(body, out_type, *operands):
     call = plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(sm_count(),),
+        grid=(INTERPRETED_SMS if interpret else sm_count(),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_interpret_params() if interpret else None,
     )
     return mark_varying(call(*operands),
                         tuple(sorted(frozenset().union(*map(varying_axes, operands)))))

@@ -90,8 +90,9 @@ def test_trainer_fails_before_compiling_when_the_step_cannot_fit(monkeypatch, tm
 
 
 def test_pipelined_terms_follow_the_placement(no_workspace_compile):
-    """pipe=2: stored state is exactly what each device holds once placed (the MoE stack
-    split over pipe by the sharding rules, nothing divided twice); DualPipe on two ranks
+    """pipe=2: stored state is exactly what each device holds once placed (the stacks, 1
+    dense and 8 MoE blocks, padded to the pipe and split over it by the sharding rules,
+    nothing divided twice); DualPipe on two ranks
     holds every stage on each rank, so the held rows are the whole model with the routed
     experts split over expert=2, twice (the parameters and their gradient accumulator)."""
     import jax
@@ -99,6 +100,7 @@ def test_pipelined_terms_follow_the_placement(no_workspace_compile):
     from moejax.parallel.mesh import build_mesh
     from moejax.train.placement import train_state_shardings
     from moejax.train.optimizer import make_optimizer
+    from moejax.parallel.pipeline.storage import logical_stacks
     from moejax.train.step import state_initializer
 
     cfg = apply_overrides(get_experiment_preset("tiny"), [
@@ -106,8 +108,9 @@ def test_pipelined_terms_follow_the_placement(no_workspace_compile):
         "train.pipeline_schedule=dualpipe"])
     spec = MeshSpec(pipe=2, data=2, expert=2)
     budget = budget_model.estimate(cfg, spec, device_memory=2**40)
-    _, init = state_initializer(cfg)
+    _, init = state_initializer(cfg, spec.pipe)
     state = jax.jit(init)(jax.numpy.uint32(0))
+    assert state.params["dense_blocks"]["mlp"]["gate_proj"]["kernel"][...].shape[0] == 2
     mesh = build_mesh(spec)
     placed = jax.device_put(state, train_state_shardings(state, mesh, make_optimizer(cfg.train),
                                                          cfg.train.zero_stage))
@@ -116,7 +119,8 @@ def test_pipelined_terms_follow_the_placement(no_workspace_compile):
         for leaf in jax.tree.leaves(tree))
     assert budget.term("parameters").bytes == on_device(placed.params) + on_device(placed.biases)
     assert budget.term("optimizer state").bytes == on_device(placed.opt_state)
-    whole = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(state.params))
+    whole = sum(np.asarray(leaf).nbytes
+                for leaf in jax.tree.leaves(logical_stacks(state.params, cfg.model)))
     m = cfg.model
     moe_blocks = m.num_moe_layers + m.num_nextn_predict_layers  # tiny's MTP block is MoE
     experts = 3 * moe_blocks * m.n_routed_experts * m.hidden_size * m.moe_intermediate_size * 4

@@ -24,6 +24,7 @@ from moejax.parallel.pipeline import SCHEDULES, build
 from moejax.parallel.pipeline.executor import PipelineExecutor
 from moejax.parallel.pipeline.tables import tick_tables
 from moejax.parallel.pipeline.stages import StagePlan
+from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks, stack_lengths
 from moejax.parallel.sharding import batch_sharding, state_shardings
 from moejax.train.step import losses
 
@@ -35,9 +36,9 @@ CASES = [(name, MeshSpec(pipe=2, data=2, expert=2)) for name in SCHEDULES] + [
     ("dualpipe", MeshSpec(pipe=4, expert=2)), ("dualpipev", MeshSpec(pipe=4, data=2))]
 
 def _config():
-    """Nine layers: one dense block (stored whole on every pipe rank) and eight MoE blocks
-    (stored split over pipe=2 and pipe=4), in stages of uneven size."""
-    return dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=9)
+    """Ten layers: one dense block and nine MoE blocks, in stages of uneven size; neither
+    stack divides by pipe=2 or 4, so both are stored padded (``storage.pad_stacks``)."""
+    return dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=10)
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +78,20 @@ def test_executor_matches_whole_batch_step(problem, name, spec):
         pieces = [w for w in executor.programs[0] if executor.runs_pieces(w)]
         # DualPipe/V F&B ticks with an expert axis run piece by piece (paired.fb_tick)
         assert bool(pieces) == (name in ("dualpipe", "dualpipev") and spec.expert > 1)
+        stored = pad_stacks(params, config, spec.pipe)
         result = jax.jit(executor.step)(
-            jax.device_put(params, state_shardings(params, mesh)), biases,
+            jax.device_put(stored, state_shardings(stored, mesh)), biases,
             jax.device_put(tokens, batch_sharding(mesh)))
     np.testing.assert_allclose(result.total, total, rtol=2e-6)
     np.testing.assert_allclose(result.main, main, rtol=2e-6)
     np.testing.assert_allclose(result.mtp, mtp, rtol=2e-6)
     np.testing.assert_allclose(result.aux, aux, rtol=1e-5)
     np.testing.assert_array_equal(result.counts, counts)
-    assert _max_relative_error(grads, result.grads) < 1e-4
+    assert _max_relative_error(grads, logical_stacks(result.grads, config)) < 1e-4
+    lengths = stack_lengths(config)  # the padding rows are never fetched: zero gradients
+    padding = [v[...][lengths[path[0]]:] for path, v in nnx.to_flat_state(result.grads)
+               if path[0] in lengths]
+    assert padding and all(g.shape[0] and float(jnp.abs(g).max()) == 0.0 for g in padding)
 
 
 def test_executor_with_fp8_tokens_matches_the_sharded_step(problem):
@@ -106,9 +112,9 @@ def test_executor_with_fp8_tokens_matches_the_sharded_step(problem):
     with jax.set_mesh(build_mesh(spec)), expert_parallel_options(options):
         assert any(executor.runs_pieces(w) for w in executor.programs[0])
         total, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
-        result = jax.jit(executor.step)(params, biases, tokens)
+        result = jax.jit(executor.step)(pad_stacks(params, config, 2), biases, tokens)
     np.testing.assert_allclose(result.total, total, rtol=1e-5)
-    assert _max_relative_error(grads, result.grads) < 1e-3
+    assert _max_relative_error(grads, logical_stacks(result.grads, config)) < 1e-3
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -188,9 +194,10 @@ def test_timed_step_chain_equals_the_step():
     p = make_problem("tiny", 2, 4, 4, "float32")
     executor = PipelineExecutor(build("1f1b", 2, 4), p.graphdef, p.config, p.dtype,
                                 STUDY_LAMBDA)
+    params = pad_stacks(p.params, p.config, 2)
     with jax.set_mesh(build_mesh(MeshSpec(pipe=2), jax.devices()[:2])):
-        want = jax.jit(executor.step)(p.params, p.biases, p.tokens)
-        got, step_s, ticks = executor.timed_step(p.params, p.biases, p.tokens, repeats=1)
+        want = jax.jit(executor.step)(params, p.biases, p.tokens)
+        got, step_s, ticks = executor.timed_step(params, p.biases, p.tokens, repeats=1)
     np.testing.assert_allclose(got.total, want.total, rtol=1e-6)
     assert _max_relative_error(want.grads, got.grads) < 1e-5
     assert len(ticks) == executor.tables.num_ticks and step_s > 0

@@ -49,9 +49,9 @@ def test_each_rank_holds_exactly_its_stages_rows(name, ranks, layers):
 def test_fetch_moves_rows_and_sums_gradients_back(name, ranks):
     """Rows carry their own index; the fetch's VJP of random cotangents equals, per stored
     row, the sum of the cotangents of every rank's copies of it (numpy oracle)."""
-    _, placement = _placement(name, ranks, 9)
+    _, placement = _placement(name, ranks, 10)  # 9 MoE blocks, stored padded
     stack = placement.stacks["moe_blocks"]
-    assert stack.split
+    assert stack.length == (10 if ranks == 2 else 12)
     mesh = build_mesh(MeshSpec(pipe=ranks), jax.devices()[:ranks])
     stored = jnp.arange(stack.length, dtype=jnp.float32)[:, None] * jnp.ones((1, 3))
     cotangent = jax.random.normal(jax.random.key(0), (ranks, stack.local_length, 3))
@@ -70,3 +70,25 @@ def test_fetch_moves_rows_and_sums_gradients_back(name, ranks):
         for pos, row in enumerate(rows):
             expected[row] += np.asarray(cotangent)[r, pos]
     np.testing.assert_allclose(grads, expected, rtol=1e-6)
+
+
+def test_storage_pads_stacks_to_the_pipe_and_cuts_them_back():
+    """Padded storage round-trips the model's tree; the executor refuses an unpadded stack,
+    naming it, instead of storing or splitting it wrongly."""
+    from flax import nnx
+
+    from moejax.model import DeepseekV3, RouterBias
+    from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks
+
+    config = dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=10)
+    _, params, _ = nnx.split(DeepseekV3(config, rngs=nnx.Rngs(0)), nnx.Param, RouterBias)
+    stored = pad_stacks(params, config, 4)
+    assert stored["moe_blocks"]["mlp"]["gate_proj"][...].shape[0] == 12
+    assert stored["dense_blocks"]["mlp"]["gate_proj"]["kernel"][...].shape[0] == 4
+    assert float(jnp.abs(stored["moe_blocks"]["mlp"]["gate_proj"][...][9:]).max()) == 0.0
+    assert stored["embed_tokens"][...].shape == params["embed_tokens"][...].shape
+    jax.tree.map(np.testing.assert_array_equal, logical_stacks(stored, config), params)
+    _, placement = _placement("1f1b", 4, 10)
+    placement.specs(stored)
+    with pytest.raises(ValueError, match=r"dense_blocks\..* 1 layer rows.*pipe=4 wants 4"):
+        placement.specs(params)

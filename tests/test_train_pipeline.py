@@ -1,10 +1,12 @@
 """``experiments.train --mesh pipe=4,data=2 --schedule S`` logs the losses of ``--mesh
-data=1``, and a checkpoint written under one schedule resumes under another.
+data=1``, and a checkpoint written under one schedule and pipe size resumes under another.
 
 Oracle: the same CLI on one device (the whole-batch step), same seed and data order.
 One chain of three runs, one step each (every run compiles its schedule's step and saves
-a checkpoint, the bulk of the time), 9 layers (DualPipeV on 4 ranks needs 8 stages; the 8
-MoE blocks are stored split over pipe=4, so resuming moves them between schedules' stages).
+a checkpoint, the bulk of the time), 10 layers (DualPipeV on 4 ranks needs 8 stages). The
+1 dense and 9 MoE blocks divide by neither pipe size: they are stored padded to 4 and 12
+rows on pipe=4, 2 and 10 on pipe=2, so resuming moves them between schedules' stages and
+restores them with other padding.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 
 from experiments import train
 
-COMMON = ["--preset", "tiny", "--set", "model.num_hidden_layers=9", "--set", "train.seq_len=16",
+COMMON = ["--preset", "tiny", "--set", "model.num_hidden_layers=10", "--set", "train.seq_len=16",
           "--set", "train.batch_size=16", "--set", "train.warmup_steps=0",
           "--set", "train.schedule_steps=3",  # the same LR per step whatever --steps says
           "--set", "train.eval_every=0", "--set", "checkpoint.every=2",
@@ -42,12 +44,14 @@ def _assert_same(got: dict[int, float], want: dict[int, float]) -> None:
 
 
 def test_schedules_resume_each_other_and_log_the_one_device_losses(reference, tmp_path):
-    """DualPipe runs step 1, DualPipeV resumes its checkpoint for step 2, 1F1B for step 3."""
+    """DualPipe runs step 1, DualPipeV resumes its checkpoint for step 2 (both pipe=4), 1F1B
+    on pipe=2 for step 3."""
     mesh = ("--mesh", "pipe=4,data=2")
     _assert_same(_train(tmp_path, *mesh, "--schedule", "dualpipe", "--steps", "1"), reference)
     _assert_same(_train(tmp_path, *mesh, "--schedule", "dualpipev", "--microbatches", "8",
                         "--steps", "2", "--resume"), reference)
-    resumed = _train(tmp_path, *mesh, "--schedule", "1f1b", "--steps", "3", "--resume")
+    resumed = _train(tmp_path, "--mesh", "pipe=2,data=4", "--schedule", "1f1b", "--steps", "3",
+                     "--resume")
     assert set(resumed) == {1, 2, 3}
     _assert_same(resumed, reference)
 

@@ -169,7 +169,7 @@ def _abstract_mesh(mesh: MeshSpec) -> AbstractMesh:
 
 def saved_activation_bytes(cfg: ExperimentConfig, micro_batch: int) -> int:
     """Bytes autodiff keeps for backward: the loss's residuals that are not its inputs."""
-    graphdef, init = state_initializer(cfg)
+    graphdef, init = state_initializer(cfg, pipe=1)  # the model's own (unpadded) stacks
     abstract = jax.eval_shape(init, jnp.uint32(0))
     tokens = jax.ShapeDtypeStruct((micro_batch, cfg.train.seq_len + 1), jnp.int32)
 
@@ -277,7 +277,7 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     ema_on_host = has_host_memory(jax.devices()[0])
     transport = cfg.expert_parallel.resolved_transport()
 
-    _, init = state_initializer(cfg)
+    _, init = state_initializer(cfg, mesh.pipe)
     abstract: TrainState = jax.eval_shape(init, jnp.uint32(0))
     shardings = train_state_shardings(abstract, _abstract_mesh(mesh), make_optimizer(tc),
                                       tc.zero_stage)
@@ -354,7 +354,7 @@ def compiled_peak(cfg: ExperimentConfig, micro_batch: int | None = None) -> tupl
     """XLA's own peak (arguments + temp) of the real one-device step, and its analysis."""
     if micro_batch is not None:
         cfg = apply_overrides(cfg, [f"train.batch_size={micro_batch}"])
-    graphdef, init = state_initializer(cfg)
+    graphdef, init = state_initializer(cfg, pipe=1)
     abstract = jax.eval_shape(init, jnp.uint32(0))
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
     analysis = make_train_step(graphdef, cfg).lower(abstract, tokens).compile() \

@@ -119,11 +119,17 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: Any,
                 abstract_ema: Any = None) -> tuple[Any, dict, Any]:
         """The state (placed as ``abstract_state``'s shardings say), data position and EMA
-        (None unless ``abstract_ema`` asks for it)."""
-        items = {"state": ocp.args.StandardRestore(abstract_state),
+        (None unless ``abstract_ema`` asks for it).
+
+        Restores non-strictly: the layer stacks are stored padded to a multiple of the
+        run's ``pipe`` (``parallel.pipeline.storage``), so a checkpoint written on another
+        pipe size has more or fewer padding rows, cut off or zero-filled here. Nothing
+        else can differ in shape: ``check_config`` has refused any other model change.
+        """
+        items = {"state": ocp.args.StandardRestore(abstract_state, strict=False),
                  "data": ocp.args.JsonRestore()}
         if abstract_ema is not None:
-            items["ema"] = ocp.args.StandardRestore(abstract_ema)
+            items["ema"] = ocp.args.StandardRestore(abstract_ema, strict=False)
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored["state"], restored["data"], restored.get("ema")
 

@@ -171,7 +171,8 @@ class Trainer:
         train_step = make_train_step(graphdef, cfg, state_shardings=state_sh,
                                      batch_sharding=batch_sh,
                                      loss_and_grads=pipelined(graphdef, cfg))
-        eval_step = make_eval_step(graphdef, state_shardings=state_sh, batch_sharding=batch_sh)
+        eval_step = make_eval_step(graphdef, cfg, state_shardings=state_sh,
+                                   batch_sharding=batch_sh)
         flops_per_token = train_flops_per_token(cfg.model, tc.seq_len)
         peak = peak_flops(jax.devices()[0].device_kind, tc.peak_tflops)
         losses: dict[int, float] = {}

@@ -18,6 +18,7 @@ from flax import nnx
 
 from moejax.model import DeepseekV3, ModelOutput, RouterBias
 from moejax.model.routing import update_router_bias
+from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks
 from moejax.precision import Precision
 from moejax.train.config import ExperimentConfig
 from moejax.train.optimizer import learning_rate, make_optimizer
@@ -25,7 +26,7 @@ from moejax.train.optimizer import learning_rate, make_optimizer
 
 class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: batches consumed so far
-    params: nnx.State  # FP32 master weights (nnx.Param)
+    params: nnx.State  # FP32 master weights (nnx.Param), layer stacks padded for the pipe
     biases: nnx.State  # aux-loss-free router biases (RouterBias), not trained by gradients
     opt_state: optax.OptState
     rng: jax.Array  # uint32 key data, split once per step
@@ -37,14 +38,18 @@ def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
                       remat=cfg.train.remat, precision=Precision(cfg.train.precision))
 
 
-def state_initializer(cfg: ExperimentConfig) -> tuple[nnx.GraphDef,
-                                                      Callable[[jax.Array], TrainState]]:
-    """The model's graph and a pure ``init(seed) -> TrainState`` (jit or eval_shape it)."""
+def state_initializer(cfg: ExperimentConfig, pipe: int | None = None
+                      ) -> tuple[nnx.GraphDef, Callable[[jax.Array], TrainState]]:
+    """The model's graph and a pure ``init(seed) -> TrainState`` (jit or eval_shape it).
+    The layer stacks are stored padded to a multiple of ``pipe`` rows (default
+    ``cfg.mesh.pipe``; ``storage.pad_stacks``); the model's values do not depend on it."""
+    pipe = pipe or cfg.mesh.pipe
     tx = make_optimizer(cfg.train)
 
     def init(seed: jax.Array) -> TrainState:
         params_key, rng = jax.random.split(jax.random.key(seed))
         _, params, biases = nnx.split(build_model(cfg, params_key), nnx.Param, RouterBias)
+        params = pad_stacks(params, cfg.model, pipe)
         return TrainState(jnp.zeros([], jnp.int32), params, biases, tx.init(params),
                           jax.random.key_data(rng))
 
@@ -95,7 +100,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
         def loss_fn(params: nnx.State):
-            out = nnx.merge(graphdef, params, biases).forward(inputs)
+            out = nnx.merge(graphdef, logical_stacks(params, cfg.model), biases).forward(inputs)
             main, mtp = losses(out, labels)
             return main + tc.mtp_lambda * mtp + out.aux_loss, (main, mtp, out)
 
@@ -126,12 +131,14 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
                    out_shardings=(state_shardings, None), donate_argnums=0)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, *, state_shardings: Any = None,
+def make_eval_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
+                   state_shardings: Any = None,
                    batch_sharding: Any = None) -> Callable[[TrainState, jax.Array], jax.Array]:
     """The jitted held-out loss ``(state, tokens) -> main next-token loss``."""
 
     def eval_step(state: TrainState, tokens: jax.Array) -> jax.Array:
-        out = nnx.merge(graphdef, state.params, state.biases).forward(tokens[:, :-1])
+        params = logical_stacks(state.params, cfg.model)
+        out = nnx.merge(graphdef, params, state.biases).forward(tokens[:, :-1])
         return cross_entropy(out.logits, tokens[:, 1:])
 
     return jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding))

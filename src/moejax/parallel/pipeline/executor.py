@@ -61,7 +61,8 @@ from moejax.config import ModelConfig
 from moejax.model import DeepseekV3, ModelOutput
 from moejax.parallel.expert import EXPERT_AXIS, expert_axis_size
 from moejax.parallel.pipeline.paired import Chunk, fb_tick, pairs_pieces
-from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement, map_leaves
+from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement
+from moejax.parallel.pipeline.storage import map_leaves
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import (StagePlan, StageRows, StageShape, StageStats,
                                              add_stats, stage_forward)

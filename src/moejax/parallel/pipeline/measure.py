@@ -32,9 +32,10 @@ from moejax.config import ModelConfig, get_model_preset
 from moejax.model import DeepseekV3, RouterBias
 from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.parallel.pipeline.executor import PipelineExecutor
-from moejax.parallel.pipeline.placement import PIPE_AXIS
 from moejax.parallel.pipeline.fb_pair import ORDERS, Stack, run_pair
+from moejax.parallel.pipeline.placement import PIPE_AXIS
 from moejax.parallel.pipeline.schedule import build
+from moejax.parallel.pipeline.storage import pad_stacks
 from moejax.profiling import median_seconds, profile
 
 MTP_LAMBDA = 0.3
@@ -99,7 +100,8 @@ def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: 
     device_mesh = build_mesh(mesh, devices)
     with jax.set_mesh(device_mesh):
         result, step_s, ticks = executor.timed_step(
-            problem.params, problem.biases, problem.tokens, repeats,
+            pad_stacks(problem.params, problem.config, mesh.pipe), problem.biases,
+            problem.tokens, repeats,
             None if profile_dir is None else str(profile_dir / name))
     log(f"  {name}: step {step_s * 1e3:.2f} ms, ticks timed ({time.perf_counter() - start:.0f} s "
         "with compile)")

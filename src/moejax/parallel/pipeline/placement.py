@@ -1,31 +1,30 @@
 """Which rows of the stacked layers each pipeline rank holds during a step, and the fetch
 that brings them from where the train state stores them.
 
-Storage (the train state, its optimizer state and checkpoints) keeps the normal model
-tree, whatever the schedule: each stacked-layer array (``dense_blocks``, ``moe_blocks``)
-has its layer axis split over ``pipe`` in equal contiguous blocks when ``pipe`` divides it
-(the sharding rule ``layers -> pipe``), else it is whole on every rank. The embedding,
-head, final norm and MTP modules are whole on every rank (stage 0 and the last stage both
-read the embedding; DualPipe and DualPipeV put both on rank 0).
+Storage (the train state, its optimizer state and checkpoints) keeps the model tree,
+whatever the schedule, with each stacked-layer array (``dense_blocks``, ``moe_blocks``)
+padded to a multiple of ``pipe`` rows (``storage.pad_stacks``), so its layer axis splits
+over ``pipe`` in equal contiguous blocks (the sharding rule ``layers -> pipe``). The
+embedding, head, final norm and MTP modules are whole on every rank (stage 0 and the last
+stage both read the embedding; DualPipe and DualPipeV put both on rank 0).
 
 Compute: rank r holds the rows of the stages it runs, stage after stage in slot order, so
 a stage reads contiguous local rows at the offset :attr:`ParamPlacement.offsets` gives.
 GPipe and 1F1B hold each layer once, DualPipeV once (rank i: stages i and 2P-1-i), DualPipe
 twice (rank i: stages i and P-1-i, one per direction): :meth:`ParamPlacement.copies`.
 
-The fetch runs inside the executor's ``shard_map`` (manual over ``pipe``): for a split
+The fetch runs inside the executor's ``shard_map`` (manual over ``pipe``): for each
 stack, P rounds of one ``ppermute`` each (round d: every rank sends rank r+d the rows
 that rank needs from its block; padded to the round's largest count, padding lands in a
-discarded row); for a whole stack, a gather of the rank's rows. The step takes ``jax.vjp``
-of the fetch, so the gradients of the held rows flow back along the same rounds reversed
-and are summed where they are stored: DualPipe's two copies of a stage add up there with
-no extra collective.
+discarded row). The step takes ``jax.vjp`` of the fetch, so the gradients of the held
+rows flow back along the same rounds reversed and are summed where they are stored:
+DualPipe's two copies of a stage add up there with no extra collective.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import StagePlan
+from moejax.parallel.pipeline.storage import map_leaves, stack_lengths, stored_length
 from moejax.parallel.sharding import STACKED
 
 PIPE_AXIS = "pipe"
@@ -47,31 +47,20 @@ def _padded(rows: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarray:
     return out
 
 
-def map_leaves(state: nnx.State, fn: Callable[[tuple, Any], Any]) -> nnx.State:
-    """``state`` with every leaf's value replaced by ``fn(path, value)``."""
-    return nnx.from_flat_state([(path, v.replace(fn(path, v[...])))
-                                for path, v in nnx.to_flat_state(state)])
-
-
 @dataclasses.dataclass(frozen=True)
 class StackPlacement:
     """One stacked-layer array: ``held[r]`` = global rows rank r holds, in local order."""
 
-    length: int  # rows stored
+    length: int  # rows stored (a multiple of ``ranks``)
     ranks: int
     held: tuple[tuple[int, ...], ...]
-
-    @property
-    def split(self) -> bool:
-        """Stored in equal blocks over ``pipe`` (else whole on every rank)."""
-        return self.ranks > 1 and self.length % self.ranks == 0
 
     @property
     def local_length(self) -> int:
         return max(1, *(len(rows) for rows in self.held))
 
     def rounds(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """For a split stack: ``(d, sends, places)`` per round that moves rows; ``sends[s]``
+        """``(d, sends, places)`` per round that moves rows; ``sends[s]``
         = rows of sender s's block bound for rank s+d, ``places[r]`` = where the rows from
         rank r-d land in r's local layout (``local_length`` = the discarded row)."""
         block = self.length // self.ranks
@@ -92,10 +81,7 @@ class StackPlacement:
         return out
 
     def fetch(self, stored: jax.Array, rank: jax.Array) -> jax.Array:
-        """This rank's rows (``local_length``, ...) from its stored part (call in shard_map)."""
-        if not self.split:
-            table = _padded(self.held, self.local_length, 0)
-            return stored[jnp.asarray(table)[rank]]
+        """This rank's rows (``local_length``, ...) from its stored block (call in shard_map)."""
         local = jnp.zeros((self.local_length + 1, *stored.shape[1:]), stored.dtype)
         for d, sends, places in self.rounds():
             rows = stored[jnp.asarray(sends)[rank]]
@@ -116,8 +102,7 @@ class ParamPlacement:
     @classmethod
     def build(cls, plan: StagePlan, schedule: Schedule) -> "ParamPlacement":
         ranks = schedule.num_ranks
-        dense = plan.config.first_k_dense_replace
-        lengths = {"dense_blocks": dense, "moe_blocks": plan.config.num_hidden_layers - dense}
+        lengths = stack_lengths(plan.config)
         held = {name: [[] for _ in range(ranks)] for name in lengths}
         offsets = np.zeros((ranks, plan.num_stages, 2), np.int32)
         for r in range(ranks):
@@ -130,26 +115,36 @@ class ParamPlacement:
                                                    ("moe_blocks", shape.moe))):
                     offsets[r, stage, i] = len(held[name][r])
                     held[name][r].extend(range(starts[i], starts[i] + count))
-        stacks = {name: StackPlacement(lengths[name], ranks, tuple(map(tuple, held[name])))
+        stacks = {name: StackPlacement(stored_length(lengths[name], ranks), ranks,
+                                       tuple(map(tuple, held[name])))
                   for name in lengths if lengths[name]}
         return cls(stacks, offsets)
 
     def copies(self) -> float:
-        """Layer rows held over all ranks during a step, per stored row."""
-        held = sum(len(rows) for s in self.stacks.values() for rows in s.held)
-        return held / sum(s.length for s in self.stacks.values())
+        """Layer rows held over all ranks during a step, per layer of the model."""
+        held = [row for s in self.stacks.values() for rows in s.held for row in rows]
+        layers = sum(len({row for rows in s.held for row in rows})
+                     for s in self.stacks.values())
+        return len(held) / layers
 
     def _stack_of(self, path: tuple) -> StackPlacement | None:
         return self.stacks.get(path[0]) if path and path[0] in STACKED else None
 
-    def _split(self, path: tuple) -> bool:
-        """Whether the leaf at ``path`` is a stack stored split over ``pipe``."""
-        stack = self._stack_of(path)
-        return stack is not None and stack.split
-
     def specs(self, params: nnx.State) -> nnx.State:
-        """``shard_map`` specs over ``pipe``: split stacks by their layer axis, the rest whole."""
-        return map_leaves(params, lambda path, _: P(PIPE_AXIS) if self._split(path) else P())
+        """``shard_map`` specs over ``pipe``: stacks by their layer axis, the rest whole.
+        Raises ValueError for a stack not stored as :func:`pad_stacks` lays it out."""
+        def spec(path: tuple, value: jax.Array) -> P:
+            stack = self._stack_of(path)
+            if stack is None:
+                return P()
+            if value.shape[0] != stack.length:
+                raise ValueError(
+                    f"{'.'.join(map(str, path))}: stored with {value.shape[0]} layer rows, "
+                    f"the pipeline over pipe={stack.ranks} wants {stack.length} (the stack "
+                    f"padded to a multiple of pipe): pass storage.pad_stacks(params, config, "
+                    f"{stack.ranks})")
+            return P(PIPE_AXIS)
+        return map_leaves(params, spec)
 
     def fetch(self, params: nnx.State, rank: jax.Array) -> nnx.State:
         """The parameters this rank computes with: stacks cut to its rows, the rest as is."""
@@ -160,6 +155,6 @@ class ParamPlacement:
 
     def reduce_grads(self, grads: nnx.State) -> nnx.State:
         """Gradients w.r.t. the stored parameters (the fetch's VJP applied) summed over
-        ``pipe`` where storage is whole; split stacks were summed by the VJP's rounds."""
-        return map_leaves(grads, lambda path, g: g if self._split(path)
-                           else jax.lax.psum(g, PIPE_AXIS))
+        ``pipe`` where storage is whole; stacks were summed by the VJP's rounds."""
+        return map_leaves(grads, lambda path, g: g if self._stack_of(path)
+                          else jax.lax.psum(g, PIPE_AXIS))
