@@ -54,6 +54,10 @@ def test_static_terms_are_the_sharded_state(no_workspace_compile):
     tokens = (8 // 8) * 32
     copies = tokens * m.num_experts_per_tok
     assert split.term("expert exchange buffers").bytes == 2 * 4 * copies * (m.hidden_size * 4 + 4)
+    # expert=8: 2 experts a device, so at most 2 of a token's k=4 copies reach one device
+    wide = budget_model.estimate(cfg, MeshSpec(expert=8), device_memory=2**40)
+    assert wide.term("expert exchange buffers").bytes == 2 * 8 * (tokens * 2) * (
+        m.hidden_size * 4 + 4)
     assert split.term("ZeRO-3 gathered layer").bytes > 0
     assert one.term("expert exchange buffers").bytes == 0
     assert split.fits

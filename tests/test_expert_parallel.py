@@ -133,6 +133,23 @@ def test_capacity_factor_drops_and_counts(moe):
     assert not np.allclose(got.y, ref.y)
 
 
+def test_dropless_buffers_hold_the_worst_case_exactly(moe):
+    """Dropless padded buffers hold T * min(k, E/ep) copies per destination (a token's k
+    experts are distinct): on expert=8, 2 experts a device, k=4, so half of T*k. Every
+    token routed to experts 0 and 1 fills device 0's slots from every source exactly;
+    nothing may drop and the layer must equal the single-device one."""
+    x, bias = _inputs(4)
+    bias = bias.at[jnp.array([0, 1])].add(10.0)
+    ref = _call(moe, x, bias)
+    assert np.all(np.asarray(ref.stats.counts)[:2] == x.shape[0] * x.shape[1])
+    with jax.set_mesh(_mesh(expert=8)):
+        got = _call(moe, x, bias)
+    transport = expert_module.make_transport(ExpertParallelOptions(), 8, (), 6, 4, 16)
+    assert transport.capacity == 6 * 2  # 6 tokens a device here, not 6 * 4
+    assert int(got.stats.dropped) == 0
+    np.testing.assert_allclose(got.y, ref.y, rtol=2e-5, atol=2e-6)
+
+
 def test_cross_node_copies_counted_and_capped_by_group_limit(moe):
     """8 devices, 2 per node: expert shards 0-1, 2-3, ... share a node; with 16 experts in 4
     groups each routing group is exactly one node's experts, so topk_group=2 caps the nodes

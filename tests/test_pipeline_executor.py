@@ -36,9 +36,9 @@ CASES = [(name, MeshSpec(pipe=2, data=2, expert=2)) for name in SCHEDULES] + [
     ("dualpipe", MeshSpec(pipe=4, expert=2)), ("dualpipev", MeshSpec(pipe=4, data=2))]
 
 def _config():
-    """Ten layers: one dense block and nine MoE blocks, in stages of uneven size; neither
-    stack divides by pipe=2 or 4, so both are stored padded (``storage.pad_stacks``)."""
-    return dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=10)
+    """Nine layers: one dense block (stored padded to pipe rows, ``storage.pad_stacks``)
+    and eight MoE blocks (split over pipe=2 and pipe=4), in stages of uneven size."""
+    return dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=9)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,8 @@ def test_executor_matches_whole_batch_step(problem, name, spec):
     assert _max_relative_error(grads, logical_stacks(result.grads, config)) < 1e-4
     lengths = stack_lengths(config)  # the padding rows are never fetched: zero gradients
     padding = [v[...][lengths[path[0]]:] for path, v in nnx.to_flat_state(result.grads)
-               if path[0] in lengths]
-    assert padding and all(g.shape[0] and float(jnp.abs(g).max()) == 0.0 for g in padding)
+               if path[0] in lengths and v[...].shape[0] > lengths[path[0]]]
+    assert padding and all(float(jnp.abs(g).max()) == 0.0 for g in padding)
 
 
 def test_executor_with_fp8_tokens_matches_the_sharded_step(problem):

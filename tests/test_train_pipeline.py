@@ -3,10 +3,10 @@ data=1``, and a checkpoint written under one schedule and pipe size resumes unde
 
 Oracle: the same CLI on one device (the whole-batch step), same seed and data order.
 One chain of three runs, one step each (every run compiles its schedule's step and saves
-a checkpoint, the bulk of the time), 10 layers (DualPipeV on 4 ranks needs 8 stages). The
-1 dense and 9 MoE blocks divide by neither pipe size: they are stored padded to 4 and 12
-rows on pipe=4, 2 and 10 on pipe=2, so resuming moves them between schedules' stages and
-restores them with other padding.
+a checkpoint, the bulk of the time), 9 layers (DualPipeV on 4 ranks needs 8 stages). The
+8 MoE blocks are stored split over the pipe; the 1 dense block is padded to 4 rows on
+pipe=4 and 2 on pipe=2, so resuming moves the layers between schedules' stages and
+restores the dense stack with other padding.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from experiments import train
 
-COMMON = ["--preset", "tiny", "--set", "model.num_hidden_layers=10", "--set", "train.seq_len=16",
+COMMON = ["--preset", "tiny", "--set", "model.num_hidden_layers=9", "--set", "train.seq_len=16",
           "--set", "train.batch_size=16", "--set", "train.warmup_steps=0",
           "--set", "train.schedule_steps=3",  # the same LR per step whatever --steps says
           "--set", "train.eval_every=0", "--set", "checkpoint.every=2",

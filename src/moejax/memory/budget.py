@@ -37,8 +37,8 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   weights (FP32) inside the layer scan.
 - **communication buffers** of the expert-parallel exchange (``moejax.parallel.expert``)
   for one MoE layer: padded transport: send and receive buffers of ``ep * C`` rows
-  (``C = T * k`` dropless, ``ceil(f * T * k / ep)`` with capacity factor f); ragged: the
-  ``T * k`` sorted rows plus a worst-case receive buffer of ``ep * T * k`` rows.
+  (``C = T * min(k, E/ep)`` dropless, ``ceil(f * T * k / ep)`` with capacity factor f);
+  ragged: the ``T * k`` sorted rows plus a worst-case receive buffer of ``ep * C`` rows.
 
 XLA's peak is ``arguments + temp`` (outputs alias the donated state), i.e. parameters +
 optimizer state (+ EMA on device) + temp, and temp = gradients + saved activations +
@@ -62,6 +62,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from moejax.config import ConfigError
 from moejax.memory.ema import has_host_memory
+from moejax.parallel.expert import dropless_copies_to_one_device
 from moejax.parallel.mesh import AXES, MeshSpec
 from moejax.parallel.pipeline.placement import ParamPlacement
 from moejax.parallel.pipeline.schedule import build as build_schedule
@@ -211,12 +212,14 @@ def exchange_bytes(cfg: ExperimentConfig, mesh: MeshSpec, micro_batch: int,
     ep, m = mesh.expert, cfg.model
     if ep == 1 or m.num_moe_layers == 0:
         return 0
-    rows = micro_batch * cfg.train.seq_len * m.num_experts_per_tok  # T * k routed copies
+    tokens, k = micro_batch * cfg.train.seq_len, m.num_experts_per_tok
+    rows = tokens * k  # routed copies a device sends
+    bound = dropless_copies_to_one_device(tokens, k, m.n_routed_experts, ep)
     row_bytes = _nbytes((m.hidden_size,), cfg.train.compute_dtype)
     factor = cfg.expert_parallel.capacity_factor
     if transport == "ragged":
-        return (rows + ep * rows) * row_bytes
-    capacity = rows if factor is None else max(1, math.ceil(factor * rows / ep))
+        return (rows + ep * bound) * row_bytes
+    capacity = bound if factor is None else max(1, math.ceil(factor * rows / ep))
     return 2 * ep * capacity * (row_bytes + 4)  # tokens and int32 expert ids, both ways
 
 

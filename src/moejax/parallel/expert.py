@@ -7,12 +7,14 @@ local experts with grouped matmuls, sends the results back and combines them. Tw
 transports share that flow:
 
 - ``padded``: a fixed (ep, C, H) buffer per device and ``all_to_all``. Dropless when
-  C = T*k (every copy could go to one device); with ``capacity_factor`` f, C = ceil(f*T*k/ep)
-  and copies past C are dropped and counted. Works on every backend (XLA:CPU included).
+  C = T*min(k, E/ep) (a token's k experts are distinct, so at most E/ep of its copies go
+  to one device); with ``capacity_factor`` f, C = ceil(f*T*k/ep) and copies past C are
+  dropped and counted. Works on every backend (XLA:CPU included).
 - ``ragged``: ``jax.lax.ragged_all_to_all`` moves exactly the routed rows, one slice per
   (device, expert), each landing where the receiver's grouped GEMM wants it, so the
   receiver never sorts (GPU/TPU only; not implemented on XLA:CPU). Dropless; the receive
-  buffer holds the worst case; the grouped GEMM computes only the received rows.
+  buffer holds the worst case, ep*T*min(k, E/ep) rows; the grouped GEMM computes only the
+  received rows.
 """
 
 from __future__ import annotations
@@ -242,6 +244,7 @@ class _Ragged(_Transport):
     ep: int
     batch_axes: tuple[str, ...]  # the receive buffers vary over these, like the tokens
     num_rows: int  # token copies each device sends (T*k)
+    recv_rows: int  # the most copies a device can receive (every source's worst case)
 
     def prepare(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Outbound:
         """Rows are sorted by expert: every device's counts (one small all_gather) say
@@ -253,8 +256,8 @@ class _Ragged(_Transport):
 
     def exchange(self, rows: jax.Array, labels: None, plan: RaggedPlan
                  ) -> tuple[jax.Array, None]:
-        size = self.ep * self.num_rows  # worst case: every source sends everything to me
-        buffer = varying_over(jnp.zeros((size, rows.shape[1]), rows.dtype), self.batch_axes)
+        buffer = varying_over(jnp.zeros((self.recv_rows, rows.shape[1]), rows.dtype),
+                              self.batch_axes)
         return jax.lax.ragged_all_to_all(rows, buffer, plan.send_offsets, plan.send_sizes,
                                          plan.land_offsets, plan.recv_sizes,
                                          axis_name=EXPERT_AXIS), None
@@ -281,13 +284,21 @@ RunExperts = Callable[[jax.Array, jax.Array, ExpertWeights, Any], jax.Array]
 Transport = _Padded | _Ragged
 
 
+def dropless_copies_to_one_device(tokens: int, top_k: int, num_experts: int, ep: int) -> int:
+    """The most of ``tokens`` tokens' routed copies that can go to one device: a token's
+    top-k experts are distinct, so at most min(k, experts per device) share a device."""
+    return tokens * min(top_k, num_experts // ep)
+
+
 def make_transport(options: ExpertParallelOptions, ep: int, batch_axes: tuple[str, ...],
-                   num_rows: int, num_experts: int) -> Transport:
-    """The transport ``options`` ask for, sized for ``num_rows`` token copies per device."""
+                   tokens: int, top_k: int, num_experts: int) -> Transport:
+    """The transport ``options`` ask for, sized for ``tokens`` tokens of ``top_k`` copies
+    per device."""
+    bound = dropless_copies_to_one_device(tokens, top_k, num_experts, ep)
     if options.resolved_transport() == "ragged":
-        return _Ragged(ep, batch_axes, num_rows)
-    capacity = num_rows if options.capacity_factor is None else max(
-        1, math.ceil(options.capacity_factor * num_rows / ep))
+        return _Ragged(ep, batch_axes, tokens * top_k, ep * bound)
+    capacity = bound if options.capacity_factor is None else max(
+        1, math.ceil(options.capacity_factor * tokens * top_k / ep))
     return _Padded(capacity, ep, num_experts // ep)
 
 
@@ -411,7 +422,7 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
 
     copies = routing.experts.reshape(-1)
     counts = jnp.bincount(copies, length=experts).astype(jnp.int32)
-    transport = make_transport(options, ep, batch_axes, flat.shape[0] * k, experts)
+    transport = make_transport(options, ep, batch_axes, flat.shape[0], k, experts)
     if options.token_format == "fp8":
         received, order, quantized = _dispatch_fp8(transport, experts, k, flat,
                                                    routing.experts)

@@ -361,9 +361,8 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
         batch, seq, _ = (f_in[1] if f_in is not None else b_in[2]).shape
         cos, sin = rope_tables(config, jnp.arange(seq)[None, :])
         options = current_options()
-        transport = make_transport(options, ep, batch_axes,
-                                   batch * seq * config.num_experts_per_tok,
-                                   config.n_routed_experts)
+        transport = make_transport(options, ep, batch_axes, batch * seq,
+                                   config.num_experts_per_tok, config.n_routed_experts)
         cross_node = functools.partial(
             cross_node_copies, num_local=config.n_routed_experts // ep,
             mesh_shape=dict(jax.sharding.get_abstract_mesh().shape),
