@@ -75,6 +75,25 @@ def test_bf16_compute_keeps_fp32_params_and_tracks_fp32(ids):
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 3e-2
 
 
+@pytest.mark.gpu
+def test_cudnn_attention_matches_xla_within_bf16_error(ids):
+    """``attention="cudnn"`` (fused flash attention, MLA's unequal q/k and v head dims
+    padded to one) against the float32 XLA model: logits and input-embedding gradients no
+    further off than the bf16 XLA model's."""
+    def run(dtype, attention):
+        model = DeepseekV3(TINY, rngs=nnx.Rngs(0), dtype=dtype, attention=attention)
+        loss = lambda m: m(ids).astype(jnp.float32).mean()  # noqa: E731
+        logits = nnx.jit(lambda m: m(ids))(model)
+        grads = nnx.jit(nnx.grad(loss))(model)
+        return np.asarray(logits, np.float32), np.asarray(grads.embed_tokens[...])
+
+    reference, xla, cudnn = (run(jnp.float32, "xla"), run(jnp.bfloat16, "xla"),
+                             run(jnp.bfloat16, "cudnn"))
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
+    for got_xla, got_cudnn, want in zip(xla, cudnn, reference):
+        assert rel(got_cudnn, want) <= max(2 * rel(got_xla, want), 1e-2)
+
+
 def test_rejects_bad_input_ids(model):
     with pytest.raises(ValueError, match=r"input_ids must be \(batch, seq\)"):
         model.forward(jnp.zeros((4,), jnp.int32))

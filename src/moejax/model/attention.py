@@ -18,11 +18,17 @@ from moejax.model.layers import Linear, RMSNorm
 from moejax.model.rope import apply_rope, softmax_scale
 from moejax.precision import Precision
 
+# The softmax core: XLA's composition (logits and probabilities materialised; any backend)
+# or cuDNN's fused flash attention (CUDA GPUs; MLA's head dims need cuDNN >= 9.10 on Hopper).
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+
 
 class MLAttention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, precision: Precision = Precision.BF16) -> None:
-        """``precision`` applies to the projections; the softmax core stays BF16/FP32."""
+                 param_dtype: jnp.dtype, precision: Precision = Precision.BF16,
+                 attention: str = "xla") -> None:
+        """``precision`` applies to the projections; the softmax core stays BF16/FP32 and
+        runs as ``attention`` says (one of ``ATTENTION_IMPLEMENTATIONS``)."""
         c = config
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, std=c.initializer_range,
                   precision=precision)
@@ -39,6 +45,7 @@ class MLAttention(nnx.Module):
         self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), **kw)
         self.o_proj = Linear(heads * c.v_head_dim, c.hidden_size, **kw)
         self.config = config
+        self.attention = attention
 
     def _queries(self, x: jax.Array) -> jax.Array:
         if self.config.q_lora_rank is None:
@@ -69,7 +76,7 @@ class MLAttention(nnx.Module):
         width = max(c.qk_head_dim, c.v_head_dim)
         q, k, v = (_pad_last(t, width) for t in (q, k, v))
         out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), scale=softmax_scale(c),
-                                           is_causal=True)
+                                           is_causal=True, implementation=self.attention)
         out = out[..., :c.v_head_dim].reshape(batch, seq, heads * c.v_head_dim)
         return self.o_proj(out)
 

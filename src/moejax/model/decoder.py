@@ -23,11 +23,12 @@ class BlockOutput(NamedTuple):
 
 class DecoderBlock(nnx.Module):
     def __init__(self, config: ModelConfig, *, moe: bool, rngs: nnx.Rngs, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, precision: Precision = Precision.BF16) -> None:
+                 param_dtype: jnp.dtype, precision: Precision = Precision.BF16,
+                 attention: str = "xla") -> None:
         c = config
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, precision=precision)
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = MLAttention(c, **kw)
+        self.self_attn = MLAttention(c, attention=attention, **kw)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps,
                                                 param_dtype=param_dtype)
         if moe:

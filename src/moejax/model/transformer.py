@@ -71,14 +71,15 @@ class MTPModule(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, moe: bool, rngs: nnx.Rngs, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, precision: Precision = Precision.BF16) -> None:
+                 param_dtype: jnp.dtype, precision: Precision = Precision.BF16,
+                 attention: str = "xla") -> None:
         c = config
         self.enorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
         self.hnorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
         self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size, rngs=rngs, dtype=dtype,
                               param_dtype=param_dtype, std=c.initializer_range)
         self.block = DecoderBlock(c, moe=moe, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                                  precision=precision)
+                                  precision=precision, attention=attention)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
 
     def __call__(self, h_prev: jax.Array, next_embeddings: jax.Array, cos: jax.Array,
@@ -91,10 +92,11 @@ class MTPModule(nnx.Module):
 class DeepseekV3(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.bfloat16,
                  param_dtype: jnp.dtype = jnp.float32, remat: str = "none",
-                 precision: Precision = Precision.BF16) -> None:
+                 precision: Precision = Precision.BF16, attention: str = "xla") -> None:
         """``remat``: the recompute policy of every block (``moejax.memory.remat``);
         ``precision``: the GEMM precision of the blocks' attention and MLP linears
-        (``moejax.precision``). The embedding, head and MTP input projection stay BF16."""
+        (``moejax.precision``). The embedding, head and MTP input projection stay BF16.
+        ``attention``: the softmax core's implementation (``attention.MLAttention``)."""
         c = config
         if remat not in POLICIES:
             raise ConfigError(f"remat={remat!r}: must be one of {POLICIES}")
@@ -105,7 +107,7 @@ class DeepseekV3(nnx.Module):
         init = jax.nn.initializers.normal(c.initializer_range)
         self.embed_tokens = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size),
                                            param_dtype))
-        blocks = dict(kw, precision=precision)
+        blocks = dict(kw, precision=precision, attention=attention)
         self.dense_blocks = _stacked_blocks(
             c.first_k_dense_replace, lambda r: DecoderBlock(c, moe=False, rngs=r, **blocks), rngs)
         self.moe_blocks = _stacked_blocks(

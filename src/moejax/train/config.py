@@ -16,6 +16,7 @@ from typing import Any
 
 from moejax.config import ConfigError, ModelConfig, MODEL_PRESETS, fail, get_model_preset
 from moejax.memory.remat import POLICIES as REMAT_POLICIES
+from moejax.model.attention import ATTENTION_IMPLEMENTATIONS
 from moejax.parallel.expert import ExpertParallelOptions
 from moejax.parallel.mesh import MeshSpec
 from moejax.parallel.pipeline.schedule import SCHEDULES as PIPELINE_SCHEDULE_BUILDERS
@@ -67,6 +68,7 @@ class TrainConfig:
     zero_stage: int = 3
     remat: str = "none"  # recompute policy: none | selective | full (moejax.memory.remat)
     precision: str = "bf16"  # GEMMs of attention and MLP linears: bf16 | fp8 (moejax.precision)
+    attention: str = "xla"  # softmax core: xla | cudnn (fused flash attention, CUDA GPUs)
     ema_decay: float | None = None  # host-memory EMA of the weights (moejax.memory.ema)
     # --mesh pipe=P > 1 only: the pipeline schedule and its micro-batch count (None: 2P)
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | dualpipe | dualpipev
@@ -100,7 +102,8 @@ class TrainConfig:
             fail("train.peak_tflops", self.peak_tflops, "must be > 0 or None")
         for name, allowed in (("schedule", SCHEDULES), ("moments_dtype", DTYPES),
                               ("compute_dtype", DTYPES), ("nonfinite", NONFINITE_POLICIES),
-                              ("remat", REMAT_POLICIES), ("precision", PRECISIONS)):
+                              ("remat", REMAT_POLICIES), ("precision", PRECISIONS),
+                              ("attention", ATTENTION_IMPLEMENTATIONS)):
             if getattr(self, name) not in allowed:
                 fail(f"train.{name}", getattr(self, name), f"must be one of {list(allowed)}")
         if self.zero_stage not in (1, 3):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from moejax.config import fail
 from moejax.model import DeepseekV3, ModelOutput, RouterBias
 from moejax.model.routing import update_router_bias
 from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks
@@ -33,9 +34,13 @@ class TrainState(NamedTuple):
 
 
 def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
+    if cfg.train.attention == "cudnn" and jax.default_backend() != "gpu":
+        fail("train.attention", "cudnn", f"needs a CUDA GPU; this process runs on "
+             f"{jax.default_backend()}: use 'xla'")
     return DeepseekV3(cfg.model, rngs=nnx.Rngs(params=key),
                       dtype=jnp.dtype(cfg.train.compute_dtype), param_dtype=jnp.float32,
-                      remat=cfg.train.remat, precision=Precision(cfg.train.precision))
+                      remat=cfg.train.remat, precision=Precision(cfg.train.precision),
+                      attention=cfg.train.attention)
 
 
 def state_initializer(cfg: ExperimentConfig, pipe: int | None = None

@@ -60,9 +60,9 @@ class StackPlacement:
         return max(1, *(len(rows) for rows in self.held))
 
     def rounds(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """``(d, sends, places)`` per round that moves rows; ``sends[s]``
-        = rows of sender s's block bound for rank s+d, ``places[r]`` = where the rows from
-        rank r-d land in r's local layout (``local_length`` = the discarded row)."""
+        """``(d, sends, places)`` per round that moves rows; ``sends[s]`` = rows of sender
+        s's block bound for rank s+d, ``places[r]`` = where the rows from rank r-d land in
+        r's local layout (``local_length`` = the discarded row)."""
         block = self.length // self.ranks
         out = []
         for d in range(self.ranks):
@@ -132,7 +132,7 @@ class ParamPlacement:
 
     def specs(self, params: nnx.State) -> nnx.State:
         """``shard_map`` specs over ``pipe``: stacks by their layer axis, the rest whole.
-        Raises ValueError for a stack not stored as :func:`pad_stacks` lays it out."""
+        Raises ValueError for a stack not stored as ``storage.pad_stacks`` lays it out."""
         def spec(path: tuple, value: jax.Array) -> P:
             stack = self._stack_of(path)
             if stack is None:
