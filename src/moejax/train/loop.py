@@ -150,7 +150,8 @@ class Trainer:
         self.log(f"mesh {cfg.mesh} over {self.mesh.size} device(s) in {jax.process_count()} "
                  f"process(es); ZeRO-{tc.zero_stage}; expert transport "
                  f"{cfg.expert_parallel.resolved_transport() if cfg.mesh.expert > 1 else 'none'}"
-                 f" (tokens travel as {cfg.expert_parallel.token_format})"
+                 f" (tokens travel as {cfg.expert_parallel.token_format}); GEMMs "
+                 f"{tc.precision}, attention core {tc.attention}"
                  + (f"; pipeline {tc.pipeline_schedule} over {cfg.num_microbatches} "
                     "micro-batches" if cfg.mesh.pipe > 1 else ""))
         train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))
