@@ -62,7 +62,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from moejax.config import ConfigError
 from moejax.memory.ema import has_host_memory
-from moejax.parallel.expert import dropless_copies_to_one_device
+from moejax.parallel.expert import make_transport
 from moejax.parallel.mesh import AXES, MeshSpec
 from moejax.parallel.pipeline.placement import ParamPlacement
 from moejax.parallel.pipeline.schedule import build as build_schedule
@@ -208,19 +208,18 @@ def workspace_bytes(cfg: ExperimentConfig, micro_batch: int) -> int:
 
 def exchange_bytes(cfg: ExperimentConfig, mesh: MeshSpec, micro_batch: int,
                    transport: str) -> int:
-    """One MoE layer's expert-parallel send + receive buffers on one device."""
+    """One MoE layer's expert-parallel send + receive buffers on one device, as the
+    layer's own transport sizes them (``expert.make_transport``)."""
     ep, m = mesh.expert, cfg.model
     if ep == 1 or m.num_moe_layers == 0:
         return 0
-    tokens, k = micro_batch * cfg.train.seq_len, m.num_experts_per_tok
-    rows = tokens * k  # routed copies a device sends
-    bound = dropless_copies_to_one_device(tokens, k, m.n_routed_experts, ep)
+    options = dataclasses.replace(cfg.expert_parallel, transport=transport)
+    sized = make_transport(options, ep, (), micro_batch * cfg.train.seq_len,
+                           m.num_experts_per_tok, m.n_routed_experts)
     row_bytes = _nbytes((m.hidden_size,), cfg.train.compute_dtype)
-    factor = cfg.expert_parallel.capacity_factor
     if transport == "ragged":
-        return (rows + ep * bound) * row_bytes
-    capacity = bound if factor is None else max(1, math.ceil(factor * rows / ep))
-    return 2 * ep * capacity * (row_bytes + 4)  # tokens and int32 expert ids, both ways
+        return (sized.num_rows + sized.recv_rows) * row_bytes
+    return 2 * ep * sized.capacity * (row_bytes + 4)  # tokens and int32 expert ids, both ways
 
 
 class PipelineTerms(NamedTuple):

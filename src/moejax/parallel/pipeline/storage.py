@@ -39,10 +39,12 @@ def stored_length(length: int, ranks: int) -> int:
 
 def _resize_stacks(params: nnx.State, rows: Callable[[str], int]) -> nnx.State:
     def resize(path: tuple, value: jax.Array) -> jax.Array:
-        want = rows(path[0]) if path and path[0] in STACKED else value.shape[0]
-        if value.shape[0] >= want:
-            return value[:want] if value.shape[0] > want else value
-        return jnp.pad(value, [(0, want - value.shape[0])] + [(0, 0)] * (value.ndim - 1))
+        if not path or path[0] not in STACKED:
+            return value
+        extra = rows(path[0]) - value.shape[0]
+        if extra <= 0:
+            return value[:value.shape[0] + extra]
+        return jnp.pad(value, [(0, extra)] + [(0, 0)] * (value.ndim - 1))
     return map_leaves(params, resize)
 
 
