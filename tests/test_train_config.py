@@ -29,7 +29,7 @@ def test_overrides_are_parsed_by_field_type_and_validated():
     ("train.seq_len=4096", r"train.seq_len=4096: must be <= model.max_position_embeddings"),
     ("train.warmup_steps=200", r"train.warmup_steps=200: must be < the schedule length 200"),
     ("checkpoint.async_save=maybe", r"expected a value of type bool"),
-    ("train.attention=flash", r"train.attention='flash': must be one of \['xla', 'cudnn'\]"),
+    ("train.attention=flash", r"train.attention='flash': must be one of \['auto', 'xla', 'cudnn'\]"),
 ])
 def test_bad_overrides_name_field_value_and_rule(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -42,10 +42,11 @@ def test_unknown_preset_lists_the_known_ones():
 
 
 def test_cudnn_attention_is_refused_off_the_gpu():
-    """cuDNN's fused attention exists only on CUDA GPUs: elsewhere the model is not built."""
+    """cuDNN's fused attention exists only on CUDA GPUs: elsewhere the model is not built,
+    and the default ("auto") picks XLA's."""
     import jax
 
-    from moejax.train.step import build_model
+    from moejax.train.step import attention_implementation, build_model
 
     cfg = apply_overrides(get_experiment_preset("tiny"), ["train.attention=cudnn"])
     if jax.default_backend() == "gpu":
@@ -53,3 +54,4 @@ def test_cudnn_attention_is_refused_off_the_gpu():
     with pytest.raises(ConfigError, match=r"train.attention='cudnn': needs a CUDA GPU; this "
                                           r"process runs on cpu"):
         build_model(cfg, jax.random.key(0))
+    assert attention_implementation(get_experiment_preset("tiny").train.attention) == "xla"

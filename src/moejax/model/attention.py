@@ -73,14 +73,20 @@ class MLAttention(nnx.Module):
                                                       + (c.qk_rope_head_dim,))], axis=-1)
         # jax.nn.dot_product_attention wants one head dim for q, k and v: zero-pad the
         # narrower side (zeros change neither q.k nor p.v) and drop the padding after.
+        # cuDNN's training kernels also want an even sequence (MTP depths shorten it by
+        # one): keys appended at the end are masked for every real query by causality.
         width = max(c.qk_head_dim, c.v_head_dim)
-        q, k, v = (_pad_last(t, width) for t in (q, k, v))
+        length = seq + seq % 2 if self.attention == "cudnn" else seq
+        q, k, v = (_pad(t, (length, width)) for t in (q, k, v))
         out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), scale=softmax_scale(c),
                                            is_causal=True, implementation=self.attention)
-        out = out[..., :c.v_head_dim].reshape(batch, seq, heads * c.v_head_dim)
+        out = out[:, :seq, :, :c.v_head_dim].reshape(batch, seq, heads * c.v_head_dim)
         return self.o_proj(out)
 
 
-def _pad_last(x: jax.Array, width: int) -> jax.Array:
-    extra = width - x.shape[-1]
-    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+def _pad(x: jax.Array, sizes: tuple[int, int]) -> jax.Array:
+    """Zero-pads the sequence (1) and head-dim (last) axes of (batch, seq, heads, dim)."""
+    (length, width), (_, seq, _, dim) = sizes, x.shape
+    if (length, width) == (seq, dim):
+        return x
+    return jnp.pad(x, [(0, 0), (0, length - seq), (0, 0), (0, width - dim)])

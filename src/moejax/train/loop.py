@@ -35,8 +35,8 @@ from moejax.train.flops import mfu, peak_flops, train_flops_per_token
 from moejax.train.metrics import MetricsLog, progress_line
 from moejax.train.optimizer import make_optimizer
 from moejax.train.placement import train_state_shardings
-from moejax.train.step import (LossAndGrads, TrainState, make_eval_step, make_train_step,
-                               state_initializer)
+from moejax.train.step import (LossAndGrads, TrainState, attention_implementation,
+                               make_eval_step, make_train_step, state_initializer)
 
 
 def pipelined(graphdef: Any, cfg: ExperimentConfig) -> LossAndGrads | None:
@@ -151,7 +151,7 @@ class Trainer:
                  f"process(es); ZeRO-{tc.zero_stage}; expert transport "
                  f"{cfg.expert_parallel.resolved_transport() if cfg.mesh.expert > 1 else 'none'}"
                  f" (tokens travel as {cfg.expert_parallel.token_format}); GEMMs "
-                 f"{tc.precision}, attention core {tc.attention}"
+                 f"{tc.precision}, attention core {attention_implementation(tc.attention)}"
                  + (f"; pipeline {tc.pipeline_schedule} over {cfg.num_microbatches} "
                     "micro-batches" if cfg.mesh.pipe > 1 else ""))
         train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))

@@ -33,14 +33,23 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32 key data, split once per step
 
 
-def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
-    if cfg.train.attention == "cudnn" and jax.default_backend() != "gpu":
+def attention_implementation(choice: str) -> str:
+    """``train.attention`` resolved for this process: "auto" is cuDNN's fused attention on a
+    CUDA GPU and XLA's composition elsewhere; "cudnn" off a GPU is refused."""
+    on_gpu = jax.default_backend() == "gpu"
+    if choice == "cudnn" and not on_gpu:
         fail("train.attention", "cudnn", f"needs a CUDA GPU; this process runs on "
-             f"{jax.default_backend()}: use 'xla'")
+             f"{jax.default_backend()}: use 'xla' or 'auto'")
+    if choice == "auto":
+        return "cudnn" if on_gpu else "xla"
+    return choice
+
+
+def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
     return DeepseekV3(cfg.model, rngs=nnx.Rngs(params=key),
                       dtype=jnp.dtype(cfg.train.compute_dtype), param_dtype=jnp.float32,
                       remat=cfg.train.remat, precision=Precision(cfg.train.precision),
-                      attention=cfg.train.attention)
+                      attention=attention_implementation(cfg.train.attention))
 
 
 def state_initializer(cfg: ExperimentConfig, pipe: int | None = None
