@@ -58,12 +58,16 @@ def fp8_grouped_gemm(a, a_scale, b, b_scale, group_sizes, out_dtype=jnp.bfloat16
 
 @jax.custom_vjp
 def grouped_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """BF16 drop-in for jax.lax.ragged_dot(a (M, K), b (G, K, N), group_sizes) -> (M, N)."""
+    """BF16 drop-in for jax.lax.ragged_dot(a (M, K), b (G, K, N), group_sizes) -> (M, N).
+
+    b may be FP32 master weights: the GEMMs take them cast to a's dtype, and the weight
+    gradient comes back in b's dtype straight from the kernel's FP32 accumulator (so
+    backward keeps no 16-bit copy of b, and no 16-bit rounding of its gradient)."""
     if a.ndim != 2 or b.ndim != 3 or a.shape[1] != b.shape[1]:
         raise ValueError(f"grouped_gemm wants a (M, K), b (G, K, N); got {a.shape}, {b.shape}")
     _expect("group_sizes", group_sizes, (b.shape[0],))
-    return ops().grouped_matmul(a, b, group_sizes.astype(jnp.int32), b_kn=True,
-                                out_dtype=a.dtype)
+    return ops().grouped_matmul(a, b.astype(a.dtype), group_sizes.astype(jnp.int32),
+                                b_kn=True, out_dtype=a.dtype)
 
 
 def _grouped_gemm_fwd(a, b, group_sizes):
@@ -75,7 +79,7 @@ def _grouped_gemm_bwd(res, dy):
     sizes = group_sizes.astype(jnp.int32)
     dy = dy.astype(a.dtype)
     # dgrad: dA[r] = dY[r] @ b[g]^T, i.e. b (G, K, N) read as (G, out=K, contract=N).
-    da = ops().grouped_matmul(dy, b, sizes, b_kn=False, out_dtype=a.dtype)
+    da = ops().grouped_matmul(dy, b.astype(a.dtype), sizes, b_kn=False, out_dtype=a.dtype)
     # wgrad: dB[g] = A_g^T dY_g, contracting over the group's rows.
     db = ops().grouped_matmul_tn(a, dy, sizes, token_major=True, out_dtype=b.dtype)
     return da, db, None

@@ -103,10 +103,11 @@ def test_fp8_grouped_linear_grads_gpu(backend):
     (4096, 256, 384, (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
         np.random.default_rng(0)).astype(np.int32)),  # 64 skewed groups, some empty
 ])
-def test_grouped_gemm_gpu_grads(backend, m, k, n, sizes):
+@pytest.mark.parametrize("b_dtype", [jnp.bfloat16, jnp.float32])  # FP32: master weights
+def test_grouped_gemm_gpu_grads(backend, m, k, n, sizes, b_dtype):
     ks = jax.random.split(jax.random.key(m + k + n), 3)
     a = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
-    b = jax.random.normal(ks[1], (len(sizes), k, n), jnp.bfloat16)
+    b = jax.random.normal(ks[1], (len(sizes), k, n), jnp.bfloat16).astype(b_dtype)
     dy = jax.random.normal(ks[2], (m, n), jnp.bfloat16)
     sizes_j = jnp.asarray(sizes)
     with pk.use_backend(backend):
@@ -122,7 +123,7 @@ def test_grouped_gemm_gpu_grads(backend, m, k, n, sizes):
     used = ends[-1]
     assert _rel(out[:used], ref[:used]) <= 1e-2 and _rel(da[:used], ref_da[:used]) <= 1e-2
     assert np.all(np.asarray(out[used:]) == 0) and np.all(np.asarray(da[used:]) == 0)
-    assert _rel(db, ref_db) <= 1e-2
+    assert db.dtype == b_dtype and _rel(db, ref_db) <= 1e-2
     assert np.all(np.asarray(db)[sizes == 0] == 0)
 
 

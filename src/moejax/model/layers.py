@@ -6,6 +6,8 @@ Parameters are stored in ``param_dtype`` (FP32 master weights) and cast to the c
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,12 +39,40 @@ class Linear(nnx.Module):
         return swiglu_linear(gate, up, self.kernel[...], self.precision, self.dtype)
 
 
+def _inverse_rms(x32: jax.Array, eps: float) -> jax.Array:
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = (x32 * _inverse_rms(x32, eps)).astype(x.dtype)  # rounded as HF's model does
+    return (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rms_norm_fwd(x, weight, eps):
+    return _rms_norm(x, weight, eps), (x, weight)
+
+
+def _rms_norm_bwd(eps, residuals, g):
+    """From x and the weight alone (the rounding of the normalised value passes gradients
+    straight through); JAX's own rule would keep FP32 copies of x and its products."""
+    x, weight = residuals
+    x32 = x.astype(jnp.float32)
+    inv = _inverse_rms(x32, eps)
+    normed, g32 = x32 * inv, g.astype(jnp.float32)
+    dnormed = g32 * weight.astype(jnp.float32)
+    dx = inv * (dnormed - normed * jnp.mean(dnormed * normed, axis=-1, keepdims=True))
+    dweight = jnp.sum((g32 * normed).reshape(-1, x.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dweight.astype(weight.dtype)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in FP32; the result keeps the input's dtype."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    out = weight.astype(jnp.float32) * normed.astype(x.dtype).astype(jnp.float32)
-    return tag(out.astype(x.dtype), NORM_OUTPUT)
+    return tag(_rms_norm(x, weight, eps), NORM_OUTPUT)
 
 
 class RMSNorm(nnx.Module):

@@ -20,7 +20,7 @@ from moejax.model.decoder import BlockOutput, DecoderBlock
 from moejax.model.layers import Linear, RMSNorm
 from moejax.model.rope import rope_tables
 from moejax.model.routing import RoutingStats
-from moejax.precision import Precision
+from moejax.precision import Precision, dense_matmul
 
 
 class RouterBias(nnx.Variable):
@@ -127,11 +127,8 @@ class DeepseekV3(nnx.Module):
 
     def head(self, h: jax.Array) -> jax.Array:
         """The shared output head on already-normalised h: FP32 logits."""
-        if self.lm_head is None:
-            return jnp.dot(h, self.embed_tokens[...].astype(h.dtype).T,
-                           preferred_element_type=jnp.float32)
-        return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype),
-                       preferred_element_type=jnp.float32)
+        kernel = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        return dense_matmul(h, kernel, jnp.float32)
 
     def mtp_depths(self, h: jax.Array, input_ids: jax.Array, cos: jax.Array, sin: jax.Array
                    ) -> Iterator[tuple[int, jax.Array, RoutingStats | None]]:

@@ -6,9 +6,9 @@ expert MLPs take it; the embedding, output head, router, norms and attention cor
 stay in BF16/FP32 (DeepSeek-V3's split).
 """
 
-from moejax.precision.linear import (grouped_linear, grouped_swiglu_linear, linear, swiglu,
-                                     swiglu_linear)
+from moejax.precision.linear import (dense_matmul, grouped_linear, grouped_swiglu_linear, linear,
+                                     swiglu, swiglu_linear)
 from moejax.precision.policy import PRECISIONS, Precision
 
-__all__ = ["PRECISIONS", "Precision", "grouped_linear", "grouped_swiglu_linear", "linear",
+__all__ = ["PRECISIONS", "Precision", "dense_matmul", "grouped_linear", "grouped_swiglu_linear", "linear",
            "swiglu", "swiglu_linear"]

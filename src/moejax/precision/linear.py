@@ -9,6 +9,7 @@ FP8 and recomputes its output in backward.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -24,9 +25,32 @@ def _swiglu_fp32(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
 
 
+@jax.custom_vjp
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return _swiglu_fp32(gate, up).astype(gate.dtype)
+
+
+def _swiglu_fwd(gate, up):
+    return _swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(residuals, g):
+    """From the 16-bit inputs alone; JAX's own rule would keep the FP32 sigmoid, SiLU and
+    upcasts of every expert row (five FP32 copies per MoE layer on the GPU)."""
+    gate, up = residuals
+    gate32, up32, g32 = (t.astype(jnp.float32) for t in (gate, up, g))
+    sig = jax.nn.sigmoid(gate32)
+    dgate = g32 * up32 * sig * (1 + gate32 * (1 - sig))
+    return dgate.astype(gate.dtype), (g32 * gate32 * sig).astype(up.dtype)
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """SiLU-gated linear unit, computed in FP32 and returned in the inputs' dtype."""
-    return tag(_swiglu_fp32(gate, up).astype(gate.dtype), SWIGLU_OUTPUT)
+    """SiLU-gated linear unit, computed in FP32 and returned in the inputs' dtype; backward
+    keeps only the inputs."""
+    return tag(_swiglu(gate, up), SWIGLU_OUTPUT)
 
 
 def _rows(x: jax.Array) -> jax.Array:
@@ -37,13 +61,42 @@ def _one_group(x: jax.Array) -> jax.Array:
     return jnp.array([x.shape[0]], jnp.int32)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense_matmul(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """``x @ kernel`` for x (..., in) and kernel (in, out) cast to x's dtype, accumulated in
+    FP32 and returned in ``out_dtype``; its backward GEMMs take x's dtype too.
+
+    Why not ``jnp.dot(..., preferred_element_type=float32)`` alone: JAX transposes it into
+    backward GEMMs on the FP32 cotangent, which turns both into FP32 GEMMs (TF32 on Hopper:
+    half the BF16 rate, twice the bytes; on the small preset they were most of XLA's GEMM
+    time). Here the cotangent is rounded to x's dtype once, as the forward output is; the
+    weight gradient still accumulates in FP32 and comes back in the kernel's dtype.
+    """
+    return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32
+                   ).astype(out_dtype)
+
+
+def _dense_matmul_fwd(x, kernel, out_dtype):
+    return dense_matmul(x, kernel, out_dtype), (x, kernel)
+
+
+def _dense_matmul_bwd(out_dtype, residuals, g):
+    x, kernel = residuals
+    g = g.astype(x.dtype)
+    dx = jnp.dot(g, kernel.astype(x.dtype).T, preferred_element_type=jnp.float32)
+    dkernel = jnp.dot(_rows(x).T, _rows(g), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dkernel.astype(kernel.dtype)
+
+
+dense_matmul.defvjp(_dense_matmul_fwd, _dense_matmul_bwd)
+
+
 def linear(x: jax.Array, kernel: jax.Array, precision: Precision, dtype: jnp.dtype) -> jax.Array:
     """``x @ kernel`` for x (..., in) and kernel (in, out), returned in ``dtype``."""
     x = x.astype(dtype)
     if precision is Precision.FP8:
         return fp8_linear(_rows(x), kernel.T).reshape(*x.shape[:-1], kernel.shape[1])
-    y = jnp.dot(x, kernel.astype(dtype), preferred_element_type=jnp.float32)
-    return y.astype(dtype)
+    return dense_matmul(x, kernel, dtype)
 
 
 def swiglu_linear(gate: jax.Array, up: jax.Array, kernel: jax.Array, precision: Precision,
@@ -62,7 +115,7 @@ def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     ``x_fp8``: x's ``quantize_1x128`` when it exists already (FP8 uses it; BF16 ignores it)."""
     if precision is Precision.FP8:
         return fp8_grouped_linear(x, jnp.swapaxes(w, 1, 2), group_sizes, x_fp8)
-    return grouped_gemm(x, w.astype(x.dtype), group_sizes)
+    return grouped_gemm(x, w, group_sizes)
 
 
 def grouped_swiglu_linear(gate: jax.Array, up: jax.Array, w: jax.Array, group_sizes: jax.Array,
