@@ -231,7 +231,7 @@ def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
                 from moejax import profiling
                 trace_dir = f"{profile_dir}/moe_{variant}_{tokens}"
                 split = profiling.profile(lambda: full(x, router, weights), trace_dir)
-                top = top_kernels(profiling.load_kernel_events(trace_dir))
+                top = profiling.top_kernels(profiling.load_kernel_events(trace_dir))
         results.append({
             "tokens": tokens, "variant": variant, "layer_ms": 1e3 * t_full,
             "tokens_per_s": tokens / t_full, "identity_experts_ms": 1e3 * t_bare,
@@ -240,16 +240,6 @@ def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
             "trace_busy_by_category_ms": split.busy_ms if split else None,
             "trace_top_kernels": top})
     return results
-
-
-def top_kernels(events, count: int = 15) -> list[tuple[str, str, float]]:
-    """(name, category, total us) of the kernels with the most device time in a trace."""
-    total: dict[tuple[str, str], float] = {}
-    for e in events:
-        key = (e.name[:80], e.category)
-        total[key] = total.get(key, 0.0) + e.dur_us
-    return [(n, c, round(us, 1)) for (n, c), us in
-            sorted(total.items(), key=lambda kv: -kv[1])[:count]]
 
 
 TUNE = {  # (block_rows, block_cols, num_warps) tried per kernel by --tune

@@ -1,7 +1,8 @@
 """BF16 vs FP8 training side by side: speed, memory, loss, and the largest micro-batch.
 
     python -m experiments.precision_study [--preset small] [--steps 40] [--batch B] [--seq S]
-        [--fit-seq 4096] [--device-memory GiB] [--set section.field=value ...]
+        [--precisions bf16,fp8] [--fit-seq 4096] [--device-memory GiB] [--profile DIR]
+        [--set section.field=value ...]
 
 Both runs start from the same seed and see the same batches (byte-level text of the Python
 standard library, sampled once). Per precision it prints tokens/s, MFU (active-parameter
@@ -10,6 +11,12 @@ compiled step's memory (``compiled.memory_analysis()``: arguments + temporaries,
 ``moejax.memory.budget`` counts it; outputs alias the donated state) and the device's
 measured peak, then both loss curves and their
 relative difference after warm-up.
+
+``--profile DIR`` traces three more steps of each run and accounts for the step time the
+MFU figure leaves out: device busy time per kernel category (``moejax.profiling``: GEMM,
+attention, data movement, collectives, other), the host gap (step time the device sits
+idle), and the kernels with the most time; the step's optimized HLO goes next to the trace
+(``DIR/PRECISION/step.hlo.txt.gz``) to look a fusion up by name.
 
 The fit table gives the largest micro-batch at ``--fit-seq`` for remat none / selective
 and BF16 / FP8 activation storage: the step is compiled (never run) at candidate batch
@@ -23,6 +30,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import gzip
+import pathlib
 import statistics
 import time
 from collections.abc import Callable
@@ -31,14 +40,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import profiling
 from moejax.data.corpus import stdlib_documents
 from moejax.data.tokenizer import ByteTokenizer
 from moejax.memory.budget import compiled_peak, device_memory_limit
 from moejax.train.config import ExperimentConfig, apply_overrides, get_experiment_preset
 from moejax.train.flops import mfu, peak_flops, train_flops_per_token
-from moejax.train.step import make_train_step, state_initializer
+from moejax.train.step import attention_implementation, make_train_step, state_initializer
 
 PRECISIONS = ("bf16", "fp8")
+LOSS_WINDOW = 20  # steps per mean in the loss comparison
 GIB = 2**30
 
 
@@ -50,6 +61,8 @@ class RunResult:
     mfu: float | None
     compiled_gib: float | None
     measured_peak_gib: float | None
+    device_time: profiling.DeviceTime | None = None  # per step, with --profile
+    top_kernels: list[tuple[str, str, float]] | None = None
 
 
 def text_batches(steps: int, batch: int, seq: int, seed: int) -> np.ndarray:
@@ -71,7 +84,8 @@ def measured_peak_gib() -> float | None:
     return None if peak is None else peak / GIB
 
 
-def train(cfg: ExperimentConfig, batches: np.ndarray) -> RunResult:
+def train(cfg: ExperimentConfig, batches: np.ndarray, profile_dir: str | None = None,
+          ) -> RunResult:
     graphdef, init = state_initializer(cfg)
     state = jax.jit(init)(cfg.train.seed)
     compiled = make_train_step(graphdef, cfg).lower(state, jnp.asarray(batches[0])).compile()
@@ -88,8 +102,20 @@ def train(cfg: ExperimentConfig, batches: np.ndarray) -> RunResult:
     analysis = compiled.memory_analysis()  # counted as moejax.memory.budget.compiled_peak does
     used = (None if analysis is None
             else analysis.argument_size_in_bytes + analysis.temp_size_in_bytes)
-    return RunResult(losses, step_s, tokens_per_s, mfu(tokens_per_s, flops, peak, 1),
-                     None if used is None else used / GIB, measured_peak_gib())
+    result = RunResult(losses, step_s, tokens_per_s, mfu(tokens_per_s, flops, peak, 1),
+                       None if used is None else used / GIB, measured_peak_gib())
+    if profile_dir:
+        def one_step():  # the step donates its state: thread it through
+            nonlocal state
+            state, step_metrics = compiled(state, jnp.asarray(batches[-1]))
+            return step_metrics
+        trace_dir = pathlib.Path(profile_dir, cfg.train.precision)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        with gzip.open(trace_dir / "step.hlo.txt.gz", "wt") as f:  # to read a fusion's body
+            f.write(compiled.as_text())
+        result.device_time = profiling.profile(one_step, trace_dir)
+        result.top_kernels = profiling.top_kernels(profiling.load_kernel_events(trace_dir))
+    return result
 
 
 def largest_batch(bytes_at: Callable[[int], int], limit: int, cap: int = 4096) -> int:
@@ -149,6 +175,10 @@ def print_runs(results: dict[str, RunResult], cfg: ExperimentConfig) -> None:
             ("measured peak so far (GiB)", lambda r: _fmt(r.measured_peak_gib, ".2f"))]
     for name, cell in rows:
         print(f"{name:<28}" + "".join(f"{cell(r):>14}" for r in results.values()))
+    if set(results) != set(PRECISIONS):
+        print("\n" + "\n".join(f"{p} losses: " + " ".join(f"{x:.4f}" for x in r.losses)
+                                for p, r in results.items()))
+        return
     bf16, fp8 = results["bf16"], results["fp8"]
     print(f"FP8 / BF16 tokens/s: {fp8.tokens_per_s / bf16.tokens_per_s:.2f}x")
     print(f"\n{'step':>5} {'bf16 loss':>10} {'fp8 loss':>10} {'rel diff':>9}")
@@ -159,6 +189,35 @@ def print_runs(results: dict[str, RunResult], cfg: ExperimentConfig) -> None:
     if rel.size:
         print(f"after warm-up (steps > {warm}): relative loss difference mean {rel.mean():.3%}, "
               f"max {rel.max():.3%}, last {rel[-1]:.3%}")
+    # One batch's loss is noisy at small batch; means over windows show the trend.
+    for lo in range(warm, len(bf16.losses) - LOSS_WINDOW + 1, LOSS_WINDOW):
+        a, b = (np.mean(r.losses[lo:lo + LOSS_WINDOW]) for r in (bf16, fp8))
+        print(f"steps {lo + 1}-{lo + LOSS_WINDOW}: mean loss bf16 {a:.4f}, fp8 {b:.4f}, "
+              f"relative {(b - a) / a:+.2%}")
+
+
+def print_account(results: dict[str, RunResult]) -> None:
+    """Where each profiled step's time goes: busy time per kernel category (a kernel counted
+    once, in its first matching category), and the host gap (the step's wall time the
+    device has no kernel running)."""
+    profiled = {p: r for p, r in results.items() if r.device_time is not None}
+    if not profiled:
+        return
+    print(f"\nstep time account (ms per step from the trace; % of the median step time):")
+    print(f"{'':<28}" + "".join(f"{p:>20}" for p in profiled))
+    cells = lambda ms, r: f"{ms:.1f} ({100 * ms / (1e3 * r.step_s):.0f}%)"  # noqa: E731
+    for category in profiling.CATEGORIES:
+        print(f"{category:<28}" + "".join(
+            f"{cells(r.device_time.busy_ms[category], r):>20}" for r in profiled.values()))
+    print(f"{'device busy (union)':<28}" + "".join(
+        f"{cells(r.device_time.total_busy_ms, r):>20}" for r in profiled.values()))
+    print(f"{'host gap (step - busy)':<28}" + "".join(
+        f"{cells(max(1e3 * r.step_s - r.device_time.total_busy_ms, 0.0), r):>20}"
+        for r in profiled.values()))
+    for precision, r in profiled.items():
+        print(f"\n{precision}: kernels with the most time over the traced steps")
+        for name, category, us in r.top_kernels:
+            print(f"  {us / 1e3:>9.1f} ms  {category:<13} {name}")
 
 
 def print_fit(cfg: ExperimentConfig, seq: int, limit: int) -> None:
@@ -192,11 +251,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit-seq", type=int,
                         help="sequence length of the largest-micro-batch search: default "
                              "4096 or the model's max_position_embeddings if less; 0 skips it")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS),
+                        help=f"comma-separated subset of {PRECISIONS} to train")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="trace 3 more steps per precision here and account for the time")
     parser.add_argument("--device-memory", type=float,
                         help="GiB to fit into (default: the device's bytes_limit)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args(argv)
+    precisions = args.precisions.split(",")
+    if not precisions or set(precisions) - set(PRECISIONS):
+        parser.error(f"--precisions {args.precisions!r}: choose from {PRECISIONS}")
+    if args.profile and jax.default_backend() == "cpu":
+        parser.error("--profile reads accelerator kernel events from the trace; this process "
+                     "runs on the CPU")
 
     base = get_experiment_preset(args.preset)
     sizes = [f"train.steps={args.steps}",
@@ -206,11 +275,13 @@ def main(argv: list[str] | None = None) -> None:
     cfg = apply_overrides(base, sizes + args.overrides)
     tc = cfg.train
     print(f"preset {args.preset}: batch {tc.batch_size} x seq {tc.seq_len}, {tc.steps} steps, "
-          f"device {jax.devices()[0].device_kind}, remat {tc.remat}")
+          f"device {jax.devices()[0].device_kind}, remat {tc.remat}, "
+          f"attention {attention_implementation(tc.attention)}", flush=True)
     batches = text_batches(tc.steps, tc.batch_size, tc.seq_len, tc.seed)
-    results = {p: train(apply_overrides(cfg, [f"train.precision={p}"]), batches)
-               for p in PRECISIONS}
+    results = {p: train(apply_overrides(cfg, [f"train.precision={p}"]), batches, args.profile)
+               for p in precisions}
     print_runs(results, cfg)
+    print_account(results)
     fit_seq = (min(4096, cfg.model.max_position_embeddings) if args.fit_seq is None
                else args.fit_seq)
     if fit_seq:

@@ -304,7 +304,7 @@ def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
     ends = visit_ends(group_sizes, m)
     body = functools.partial(_rows_kernel, groups=groups, b_kn=b_kn, tile_n=tile_n, cfg=cfg)
     out = persistent_call(body, _out_shape((mp, np_), out_dtype, a, b), ends, a, b,
-                          interpret=interpret)
+                          name="bf16_grouped_gemm", interpret=interpret)
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
 
@@ -323,5 +323,5 @@ def grouped_matmul_tn(x, y, group_sizes, *, out_dtype=jnp.bfloat16,
     starts, ends = group_bounds(group_sizes.astype(jnp.int32), m)
     body = functools.partial(_tn_kernel, tile_q=tile_q, cfg=cfg)
     out_type = _out_shape((groups, x.shape[1], y.shape[1]), out_dtype, x, y)
-    out = persistent_call(body, out_type, starts, ends, x, y)
+    out = persistent_call(body, out_type, starts, ends, x, y, name="bf16_grouped_wgrad_gemm")
     return out[:, :p, :q] if out.shape[1:] != (p, q) else out

@@ -46,9 +46,10 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def persistent_call(body, out_type, *operands, interpret: bool = False):
+def persistent_call(body, out_type, *operands, name: str, interpret: bool = False):
     """``body`` on a persistent grid (one CTA per SM) of one TMA producer and two consumer
-    warpgroups, on ``operands``.
+    warpgroups, on ``operands``. ``name`` is what profiles call the kernel (Mosaic GPU takes
+    it from the body's ``__name__``, which a ``functools.partial`` lacks).
 
     ``interpret``: run on the CPU under Mosaic GPU's interpreter, on `INTERPRETED_SMS`
     CTAs, to test a kernel's logic without a GPU. jax 0.10's interpreter runs the
@@ -62,8 +63,12 @@ def persistent_call(body, out_type, *operands, interpret: bool = False):
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    def named(*refs):
+        return body(*refs)
+
+    named.__name__ = named.__qualname__ = name
     call = plgpu.kernel(
-        body,
+        named,
         out_type=out_type,
         grid=(INTERPRETED_SMS if interpret else sm_count(),),
         grid_names=("sm",),

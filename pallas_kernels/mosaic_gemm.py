@@ -193,5 +193,5 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
     b_scale_rows = jnp.repeat(jnp.swapaxes(b_scale, 1, 2), WG_ROWS, axis=2)
     out = persistent_call(functools.partial(_kernel, groups=groups, cfg=cfg),
                           _out_shape((mp, np_), out_dtype, a, b),
-                          ends, a, a_scale.T, b, b_scale_rows)
+                          ends, a, a_scale.T, b, b_scale_rows, name="fp8_grouped_gemm")
     return out[:m, :n] if (mp, np_) != (m, n) else out

@@ -119,6 +119,16 @@ def device_time(events: list[KernelEvent], device: str | None = None) -> DeviceT
                       _union_us(compute) / 1e3)
 
 
+def top_kernels(events: list[KernelEvent], count: int = 15) -> list[tuple[str, str, float]]:
+    """(name, category, total us) of the kernels with the most device time in a trace:
+    what a per-category split cannot say (which kernel, and whether it was filed right)."""
+    total: dict[tuple[str, str], float] = collections.defaultdict(float)
+    for e in events:
+        total[e.name[:80], e.category] += e.dur_us
+    return [(n, c, round(us, 1)) for (n, c), us in
+            sorted(total.items(), key=lambda kv: -kv[1])[:count]]
+
+
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     """Median wall time of ``fn()`` until its outputs are ready, after ``warmup`` calls
     (the first compiles)."""
