@@ -245,7 +245,8 @@ def print_fit(cfg: ExperimentConfig, seq: int, limit: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40,
+                        help="training steps per precision; 0 runs only the fit search")
     parser.add_argument("--batch", type=int, help="global batch (default: the preset's)")
     parser.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     parser.add_argument("--fit-seq", type=int,
@@ -263,25 +264,29 @@ def main(argv: list[str] | None = None) -> None:
     precisions = args.precisions.split(",")
     if not precisions or set(precisions) - set(PRECISIONS):
         parser.error(f"--precisions {args.precisions!r}: choose from {PRECISIONS}")
+    if args.steps < 0:
+        parser.error(f"--steps {args.steps}: must be >= 0")
     if args.profile and jax.default_backend() == "cpu":
         parser.error("--profile reads accelerator kernel events from the trace; this process "
                      "runs on the CPU")
 
     base = get_experiment_preset(args.preset)
     sizes = [f"train.steps={args.steps}",
-             f"train.warmup_steps={min(base.train.warmup_steps, max(args.steps - 1, 0))}"]
+             f"train.warmup_steps={min(base.train.warmup_steps, args.steps - 1)}"
+             ] if args.steps else []
     sizes += [f"train.batch_size={args.batch}"] if args.batch else []
     sizes += [f"train.seq_len={args.seq}"] if args.seq else []
     cfg = apply_overrides(base, sizes + args.overrides)
     tc = cfg.train
-    print(f"preset {args.preset}: batch {tc.batch_size} x seq {tc.seq_len}, {tc.steps} steps, "
+    print(f"preset {args.preset}: batch {tc.batch_size} x seq {tc.seq_len}, {args.steps} steps, "
           f"device {jax.devices()[0].device_kind}, remat {tc.remat}, "
           f"attention {attention_implementation(tc.attention)}", flush=True)
-    batches = text_batches(tc.steps, tc.batch_size, tc.seq_len, tc.seed)
-    results = {p: train(apply_overrides(cfg, [f"train.precision={p}"]), batches, args.profile)
-               for p in precisions}
-    print_runs(results, cfg)
-    print_account(results)
+    if args.steps:
+        batches = text_batches(tc.steps, tc.batch_size, tc.seq_len, tc.seed)
+        results = {p: train(apply_overrides(cfg, [f"train.precision={p}"]), batches,
+                            args.profile) for p in precisions}
+        print_runs(results, cfg)
+        print_account(results)
     fit_seq = (min(4096, cfg.model.max_position_embeddings) if args.fit_seq is None
                else args.fit_seq)
     if fit_seq:

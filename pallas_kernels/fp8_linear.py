@@ -2,7 +2,8 @@
 
 Quantization is online. Each GEMM's scale tiles follow its contraction axis:
 fprop contracts K (x 1x128 along K, w 128x128), dgrad contracts N (dy 1x128 along
-N, w^T 128x128), wgrad contracts tokens (dy^T and x^T 1x128 along tokens).
+N, w^T 128x128), wgrad contracts tokens (dy^T and x^T 1x128 along tokens; the fused
+``quantize_along_tokens`` kernel reads them row-major, with no transpose pass).
 
 FP8 activation storage: the residuals are the FP8 copies made for fprop (x with its
 1x128 scales, w with its 128x128 scales), not the BF16/FP32 inputs. dgrad reuses the
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import ops
 from pallas_kernels.gemm import scaled_matmul
+from pallas_kernels.movement import quantize_along_tokens
 from pallas_kernels.quantize import TILE, dequantize, quantize_1x128, quantize_128x128
 
 _quantize_weights = jax.vmap(quantize_128x128)
@@ -54,12 +56,12 @@ def _dgrad(dy, w: Quantized, group_sizes, dtype) -> jax.Array:
 
 def _along_tokens(x: Quantized) -> Quantized:
     """x^T (K, M) quantized 1x128 along tokens, from the saved K-tiled FP8 copy of x (M, K)."""
-    return quantize_1x128(dequantize(*x, row_tile=1).T)
+    return quantize_along_tokens(dequantize(*x, row_tile=1))
 
 
 def _wgrad(dy, x_t: Quantized, group_sizes, grouped: bool, dtype) -> jax.Array:
     """dw = dy^T x per group; x_t is x^T (K, M) already quantized along tokens."""
-    dyq, dys = quantize_1x128(dy.T)
+    dyq, dys = quantize_along_tokens(dy)
     xq, xs = x_t
     if grouped:
         return ops().grouped_matmul_tn(dyq, xq, group_sizes, x_scale=dys, y_scale=xs,
@@ -156,7 +158,7 @@ def _gated_bwd(activation, res, dy):
     hidden, activation_vjp = jax.vjp(lambda g, u: _activate(g, u, activation, dtype), gate, up)
     # The recomputed activation is quantized along tokens straight from its BF16 value:
     # one rounding for wgrad here, unlike a plain FP8 linear's saved input.
-    dw = _wgrad(dy, quantize_1x128(hidden.T), sizes, True, w_dtype.dtype)
+    dw = _wgrad(dy, quantize_along_tokens(hidden), sizes, True, w_dtype.dtype)
     d_gate, d_up = activation_vjp(_dgrad(dy, wq, sizes, dtype))
     return d_gate.astype(dtype), d_up.astype(dtype), dw, None
 
