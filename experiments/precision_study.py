@@ -12,11 +12,12 @@ compiled step's memory (``compiled.memory_analysis()``: arguments + temporaries,
 measured peak, then both loss curves and their
 relative difference after warm-up.
 
-``--profile DIR`` traces three more steps of each run and accounts for the step time the
-MFU figure leaves out: device busy time per kernel category (``moejax.profiling``: GEMM,
-attention, data movement, collectives, other), the host gap (step time the device sits
-idle), and the kernels with the most time; the step's optimized HLO goes next to the trace
-(``DIR/PRECISION/step.hlo.txt.gz``) to look a fusion up by name.
+``--profile DIR`` runs one more step of each run, then traces three, and accounts for the
+step time the MFU figure leaves out: device busy time per kernel category
+(``moejax.profiling``: GEMM, attention, data movement, collectives, other), the host gap
+(step time the device sits idle), and the kernels with the most time; the step's
+optimized HLO goes next to the trace (``DIR/PRECISION/step.hlo.txt.gz``) to look a fusion
+up by name.
 
 The fit table gives the largest micro-batch at ``--fit-seq`` for remat none / selective
 and BF16 / FP8 activation storage: the step is compiled (never run) at candidate batch
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                         metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args(argv)
     precisions = args.precisions.split(",")
-    if not precisions or set(precisions) - set(PRECISIONS):
+    if set(precisions) - set(PRECISIONS):
         parser.error(f"--precisions {args.precisions!r}: choose from {PRECISIONS}")
     if args.steps < 0:
         parser.error(f"--steps {args.steps}: must be >= 0")

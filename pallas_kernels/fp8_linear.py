@@ -3,7 +3,8 @@
 Quantization is online. Each GEMM's scale tiles follow its contraction axis:
 fprop contracts K (x 1x128 along K, w 128x128), dgrad contracts N (dy 1x128 along
 N, w^T 128x128), wgrad contracts tokens (dy^T and x^T 1x128 along tokens; the fused
-``quantize_along_tokens`` kernel reads them row-major, with no transpose pass).
+``quantize_along_tokens`` kernel quantizes 16-bit dy and the recomputed SwiGLU output
+row-major, with no transpose pass).
 
 FP8 activation storage: the residuals are the FP8 copies made for fprop (x with its
 1x128 scales, w with its 128x128 scales), not the BF16/FP32 inputs. dgrad reuses the
@@ -55,8 +56,10 @@ def _dgrad(dy, w: Quantized, group_sizes, dtype) -> jax.Array:
 
 
 def _along_tokens(x: Quantized) -> Quantized:
-    """x^T (K, M) quantized 1x128 along tokens, from the saved K-tiled FP8 copy of x (M, K)."""
-    return quantize_along_tokens(dequantize(*x, row_tile=1))
+    """x^T (K, M) quantized 1x128 along tokens, from the saved K-tiled FP8 copy of x (M, K).
+    XLA fuses the dequantize into its transpose-quantize pass (1 byte in per element); the
+    fused kernel would need the FP32 dequantized copy written out first (4 bytes)."""
+    return quantize_1x128(dequantize(*x, row_tile=1).T)
 
 
 def _wgrad(dy, x_t: Quantized, group_sizes, grouped: bool, dtype) -> jax.Array:

@@ -123,7 +123,10 @@ def test_grouped_gemm_gpu_grads(backend, m, k, n, sizes, b_dtype):
     used = ends[-1]
     assert _rel(out[:used], ref[:used]) <= 1e-2 and _rel(da[:used], ref_da[:used]) <= 1e-2
     assert np.all(np.asarray(out[used:]) == 0) and np.all(np.asarray(da[used:]) == 0)
-    assert db.dtype == b_dtype and _rel(db, ref_db) <= 1e-2
+    # An FP32 weight gradient comes straight from the FP32 accumulator: no BF16 rounding
+    # (which alone is ~1e-3 norm-wise).
+    tolerance = 5e-4 if b_dtype == jnp.float32 else 1e-2
+    assert db.dtype == b_dtype and _rel(db, ref_db) <= tolerance
     assert np.all(np.asarray(db)[sizes == 0] == 0)
 
 

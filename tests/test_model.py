@@ -8,6 +8,7 @@ from flax import nnx
 
 from moejax.config import ConfigError, ModelConfig, get_model_preset
 from moejax.model import DeepseekV3, RouterBias
+from moejax.model.layers import rms_norm
 
 TINY = get_model_preset("tiny").replace(num_hidden_layers=3, num_nextn_predict_layers=2,
                                         vocab_size=263)
@@ -92,6 +93,29 @@ def test_cudnn_attention_matches_xla_within_bf16_error(ids):
     rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
     for got_xla, got_cudnn, want in zip(xla, cudnn, reference):
         assert rel(got_cudnn, want) <= max(2 * rel(got_xla, want), 1e-2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_rms_norm_backward_matches_autodiff_of_the_formula(dtype, tol):
+    """The hand-written backward (it keeps only x) against JAX's autodiff of the plain FP32
+    formula on the same inputs: leading batch dims, a weight that is not all ones, and a
+    large eps so that its place in the formula matters."""
+    ks = jax.random.split(jax.random.key(3), 3)
+    x = (jax.random.normal(ks[0], (2, 3, 48)) * 0.2).astype(dtype)
+    w = 1 + jax.random.normal(ks[1], (48,))
+    g = jax.random.normal(ks[2], (2, 3, 48), dtype)
+    eps = 1e-2
+
+    def formula(x, w):
+        x = x.astype(jnp.float32)
+        return w * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+    got = jax.vjp(lambda x, w: rms_norm(x, w, eps), x, w)[1](g)
+    want = jax.vjp(formula, x, w)[1](g.astype(jnp.float32))
+    assert got[0].dtype == dtype and got[1].dtype == jnp.float32
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b)
 
 
 def test_rejects_bad_input_ids(model):

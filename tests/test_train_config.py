@@ -29,7 +29,8 @@ def test_overrides_are_parsed_by_field_type_and_validated():
     ("train.seq_len=4096", r"train.seq_len=4096: must be <= model.max_position_embeddings"),
     ("train.warmup_steps=200", r"train.warmup_steps=200: must be < the schedule length 200"),
     ("checkpoint.async_save=maybe", r"expected a value of type bool"),
-    ("train.attention=flash", r"train.attention='flash': must be one of \['auto', 'xla', 'cudnn'\]"),
+    ("train.attention=flash",
+     r"train.attention='flash': must be one of \['auto', 'xla', 'cudnn'\]"),
 ])
 def test_bad_overrides_name_field_value_and_rule(override, message):
     with pytest.raises(ConfigError, match=message):

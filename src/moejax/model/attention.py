@@ -29,6 +29,9 @@ class MLAttention(nnx.Module):
                  attention: str = "xla") -> None:
         """``precision`` applies to the projections; the softmax core stays BF16/FP32 and
         runs as ``attention`` says (one of ``ATTENTION_IMPLEMENTATIONS``)."""
+        if attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention={attention!r}: must be one of "
+                             f"{list(ATTENTION_IMPLEMENTATIONS)}")
         c = config
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, std=c.initializer_range,
                   precision=precision)

@@ -10,5 +10,5 @@ from moejax.precision.linear import (dense_matmul, grouped_linear, grouped_swigl
                                      swiglu, swiglu_linear)
 from moejax.precision.policy import PRECISIONS, Precision
 
-__all__ = ["PRECISIONS", "Precision", "dense_matmul", "grouped_linear", "grouped_swiglu_linear", "linear",
-           "swiglu", "swiglu_linear"]
+__all__ = ["PRECISIONS", "Precision", "dense_matmul", "grouped_linear",
+           "grouped_swiglu_linear", "linear", "swiglu", "swiglu_linear"]

@@ -69,8 +69,9 @@ def dense_matmul(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype) -> jax.A
     Why not ``jnp.dot(..., preferred_element_type=float32)`` alone: JAX transposes it into
     backward GEMMs on the FP32 cotangent, which turns both into FP32 GEMMs (TF32 on Hopper:
     half the BF16 rate, twice the bytes; on the small preset they were most of XLA's GEMM
-    time). Here the cotangent is rounded to x's dtype once, as the forward output is; the
-    weight gradient still accumulates in FP32 and comes back in the kernel's dtype.
+    time). Here the cotangent is rounded to x's dtype once (for the head's FP32 logits,
+    once more than JAX would); the weight gradient still accumulates in FP32 and comes back
+    in the kernel's dtype.
     """
     return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32
                    ).astype(out_dtype)

@@ -33,15 +33,28 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32 key data, split once per step
 
 
+def _cuda_compute_capability() -> float | None:
+    """The first device's CUDA compute capability (9.0 on Hopper); None off CUDA (a ROCm
+    device reports a gfx name instead)."""
+    device = jax.devices()[0]
+    try:
+        return float(getattr(device, "compute_capability", "")) if device.platform == "gpu" \
+            else None
+    except ValueError:
+        return None
+
+
 def attention_implementation(choice: str) -> str:
     """``train.attention`` resolved for this process: "auto" is cuDNN's fused attention on a
-    CUDA GPU and XLA's composition elsewhere; "cudnn" off a GPU is refused."""
-    on_gpu = jax.default_backend() == "gpu"
-    if choice == "cudnn" and not on_gpu:
+    CUDA GPU of compute capability >= 9.0 (Hopper and later: cuDNN's flash kernels take
+    head dims up to 256 there, 128 before, and MLA's padded q/k/v width is 192 on
+    DeepSeek-V3) and XLA's composition elsewhere; "cudnn" off a GPU is refused."""
+    if choice == "cudnn" and jax.default_backend() != "gpu":
         fail("train.attention", "cudnn", f"needs a CUDA GPU; this process runs on "
              f"{jax.default_backend()}: use 'xla' or 'auto'")
     if choice == "auto":
-        return "cudnn" if on_gpu else "xla"
+        capability = _cuda_compute_capability()
+        return "cudnn" if capability is not None and capability >= 9.0 else "xla"
     return choice
 
 
