@@ -16,15 +16,21 @@ WG_ROWS = 64  # rows per consumer warpgroup (the WGMMA M)
 CTA_M = 2 * WG_ROWS  # two consumer warpgroups stacked along M
 
 
-def available() -> bool:
-    """True on a Hopper GPU with a jax whose Mosaic GPU Pallas has what this kernel uses."""
+def cuda_compute_capability() -> float | None:
+    """The first device's CUDA compute capability (9.0 on Hopper); None off a CUDA GPU (a
+    ROCm device reports a gfx name instead)."""
     try:
         device = jax.devices()[0]
-    except RuntimeError:
-        return False
-    if device.platform != "gpu" or getattr(device, "compute_capability", "") != "9.0":
-        return False
-    return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+        return (float(getattr(device, "compute_capability", ""))
+                if device.platform == "gpu" else None)
+    except (RuntimeError, ValueError):
+        return None
+
+
+def available() -> bool:
+    """True on a Hopper GPU with a jax whose Mosaic GPU Pallas has what this kernel uses."""
+    return (cuda_compute_capability() == 9.0
+            and tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11))
 
 
 INTERPRETED_SMS = 3  # persistent CTAs when interpreted: fewer than the tiles of a test

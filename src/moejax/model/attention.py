@@ -19,7 +19,8 @@ from moejax.model.rope import apply_rope, softmax_scale
 from moejax.precision import Precision
 
 # The softmax core: XLA's composition (logits and probabilities materialised; any backend)
-# or cuDNN's fused flash attention (CUDA GPUs; MLA's head dims need cuDNN >= 9.10 on Hopper).
+# or cuDNN's fused flash attention (CUDA GPUs; q, k and v are padded to one head dim, up to
+# 256 on Hopper and 128 before).
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 

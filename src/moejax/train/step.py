@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from pallas_kernels.mosaic_common import cuda_compute_capability
 
 from moejax.config import fail
 from moejax.model import DeepseekV3, ModelOutput, RouterBias
@@ -33,17 +34,6 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32 key data, split once per step
 
 
-def _cuda_compute_capability() -> float | None:
-    """The first device's CUDA compute capability (9.0 on Hopper); None off CUDA (a ROCm
-    device reports a gfx name instead)."""
-    device = jax.devices()[0]
-    try:
-        return float(getattr(device, "compute_capability", "")) if device.platform == "gpu" \
-            else None
-    except ValueError:
-        return None
-
-
 def attention_implementation(choice: str) -> str:
     """``train.attention`` resolved for this process: "auto" is cuDNN's fused attention on a
     CUDA GPU of compute capability >= 9.0 (Hopper and later: cuDNN's flash kernels take
@@ -53,7 +43,7 @@ def attention_implementation(choice: str) -> str:
         fail("train.attention", "cudnn", f"needs a CUDA GPU; this process runs on "
              f"{jax.default_backend()}: use 'xla' or 'auto'")
     if choice == "auto":
-        capability = _cuda_compute_capability()
+        capability = cuda_compute_capability()
         return "cudnn" if capability is not None and capability >= 9.0 else "xla"
     return choice
 
