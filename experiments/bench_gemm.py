@@ -1,11 +1,12 @@
 """GEMM benchmark: our Pallas kernels vs XLA, JAX's Mosaic GPU example and torch.
 
-    python -m experiments.bench_gemm [--quick] [--tune] [--only dense|grouped] [--json PATH]
+    python -m experiments.bench_gemm [--quick] [--tune] [--only dense|grouped|fp8_wgrad]
+        [--json PATH]
 
 "ours" is the public op on the backend `pallas_kernels.backend()` picks (on an H100:
-the Mosaic GPU WGMMA kernels for the block-scaled FP8 fprop/dgrad and the three BF16
-grouped GEMMs, Triton for the FP8 wgrad); the Triton kernel of the same op is a
-comparator column.
+the Mosaic GPU WGMMA kernels for all block-scaled FP8 GEMMs, the FP8 wgrad on tokens in
+the tile-aligned layout, and the three BF16 grouped GEMMs); the Triton kernel of the same
+op is a comparator column.
 
 Prints one row per (op, shape): TFLOP/s, the floor time (METHOD.md: max of FLOPs
 over peak and bytes over bandwidth), the ratio to each comparator and the error.
@@ -190,8 +191,9 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
     import jax.numpy as jnp
 
     import pallas_kernels as pk
-    from pallas_kernels import triton_gemm as tg
+    from pallas_kernels import reference, triton_gemm as tg
     from pallas_kernels.backend import ops
+    from pallas_kernels.group_schedule import aligned_layout
     from pallas_kernels.quantize import dequantize
 
     sync = jax.block_until_ready
@@ -206,7 +208,7 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
             return f"failed: {type(e).__name__}: {str(e)[:100]}"
 
     rows: list[Row] = []
-    for name, m, n, k in [] if only == "grouped" else dense_shapes(quick):
+    for name, m, n, k in [] if only in ("grouped", "fp8_wgrad") else dense_shapes(quick):
         shape = f"{m}x{n}x{k}"
         a = jax.random.normal(next(key), (m, k), jnp.bfloat16)
         w = jax.random.normal(next(key), (n, k), jnp.bfloat16)
@@ -263,7 +265,8 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
                 ref=lambda x, dy, b, sizes: jax.vjp(lambda bb: jax.lax.ragged_dot(x.astype(jnp.float32), bb, sizes, precision=hi),
                                     b.astype(jnp.float32))[1](dy.astype(jnp.float32))[0]),
         }
-        for pname, pf in passes.items():
+        wgrad_only = only == "fp8_wgrad"
+        for pname, pf in {} if wgrad_only else passes.items():
             fns = {kk: bind(v, x, dy, b, sizes) for kk, v in pf.items() if kk != "ref"}
             # XLA's FP32 ragged_dot for 64 groups compiles past a device call's time limit
             # (2026-11-22); that shape's correctness is in tests/test_kernels_gpu.py.
@@ -282,7 +285,7 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
             "fwd": (xq, xs, wq, ws, (x, w_nk)),
             "dgrad": (dyq, dys, bq, bs, (dy, b)),
         }
-        for pname, (aq, as_, wq_, ws_, _) in fp8_passes.items():
+        for pname, (aq, as_, wq_, ws_, _) in {} if wgrad_only else fp8_passes.items():
             ours = bind(pk.fp8_grouped_gemm, aq, as_, wq_, ws_, sizes)
             triton = bind(lambda aq, as_, wq_, ws_, sizes: tg.grouped_matmul(
                 aq, wq_, sizes, a_scale=as_, b_scale=ws_, cfg=cfgs["fp8"]), aq, as_, wq_, ws_, sizes)
@@ -300,19 +303,28 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
                   "torch_scaled_grouped_mm": torch_res.get(f"torch_scaled_grouped_mm/{pname}/{gkey}", "absent")}
             io = rows_ * kk_ + g * kk_ * nn + rows_ * nn * 2
             emit(rows, Row(f"fp8_grouped_gemm {pname}", gkey, flops, io, "fp8", tq("ours"), err, vs))
-        xtq, xts = pk.quantize_1x128(x.T)
-        dytq, dyts = pk.quantize_1x128(dy.T)
-        fns = {"ours": bind(lambda dytq, xtq, dyts, xts, sizes: tg.grouped_matmul_tn(
-            dytq, xtq, sizes, x_scale=dyts, y_scale=xts, token_major=False, cfg=cfgs["fp8"]),
-            dytq, xtq, dyts, xts, sizes)}
-        err = rel_err(lambda: jnp.swapaxes(fns["ours"](), 1, 2), bind(
-            lambda dytq, xtq, dyts, xts, sizes: jax.vjp(
-                lambda bb: jax.lax.ragged_dot(dequantize(xtq, xts, 1).T, bb, sizes, precision=hi),
-                jnp.zeros((g, k, n), jnp.float32))[1](dequantize(dytq, dyts, 1).T)[0],
-            dytq, xtq, dyts, xts, sizes))
-        io = rows_ * k + g * k * n * 2 + rows_ * n
-        emit(rows, Row("fp8_grouped_gemm wgrad", gkey, flops, io, "fp8", tq("ours"), err, {}))
-        del x, dy, b, xq, dyq, wq, bq, xtq, dytq
+        # FP8 wgrad: ours quantizes along tokens into the tile-aligned layout (what the
+        # training linears do) and runs the public wgrad; Triton runs the unaligned layout.
+        layout = aligned_layout(sizes, rows_)
+        (xtq, xts), (dytq, dyts) = (pk.quantize_along_tokens(v, layout) for v in (x, dy))
+        fns = {"ours": bind(lambda dytq, xtq, dyts, xts, al_sizes: ops().grouped_matmul_tn(
+                   dytq, xtq, al_sizes, x_scale=dyts, y_scale=xts, token_major=False,
+                   tile_aligned=True), dytq, xtq, dyts, xts, layout.sizes)}
+        (uxq, uxs), (udq, uds) = (pk.quantize_1x128(v.T) for v in (x, dy))
+        fns["triton_ours"] = bind(lambda udq, uxq, uds, uxs, sizes: tg.grouped_matmul_tn(
+            udq, uxq, sizes, x_scale=uds, y_scale=uxs, token_major=False, cfg=cfgs["fp8"]),
+            udq, uxq, uds, uxs, sizes)
+        dq, dqs = pk.quantize_1x128(jax.random.normal(next(key), (n, rows_), jnp.bfloat16))
+        dw, dws = pk.quantize_128x128(jax.random.normal(next(key), (k, rows_), jnp.bfloat16))
+        fns["dense_fp8_ours"] = bind(pk.fp8_gemm, dq, dqs, dw, dws)
+        err = rel_err(fns["ours"], bind(
+            lambda dytq, xtq, dyts, xts, al_sizes: reference.grouped_matmul_tn(
+                dytq, xtq, al_sizes, x_scale=dyts, y_scale=xts, token_major=False,
+                out_dtype=jnp.float32), dytq, xtq, dyts, xts, layout.sizes)) if g <= 8 else None
+        vs = {kk: tq(kk) for kk in ("dense_fp8_ours", "triton_ours")}
+        io = layout.tile_source.shape[0] * 128 * (k + n) + g * k * n * 2
+        emit(rows, Row("fp8_grouped_gemm wgrad", gkey, flops, io, "fp8", tq("ours"), err, vs))
+        del x, dy, b, xq, dyq, wq, bq, xtq, dytq, uxq, udq, dq, dw
     return rows
 
 
@@ -381,14 +393,15 @@ def main() -> None:
     ap.add_argument("--torch-worker", action="store_true")
     ap.add_argument("--quick", action="store_true", help="first shapes only")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs first")
-    ap.add_argument("--only", choices=("dense", "grouped"), default=None,
-                    help="one table only (each fits one device call)")
+    ap.add_argument("--only", choices=("dense", "grouped", "fp8_wgrad"), default=None,
+                    help="one table only (each fits one device call); fp8_wgrad: the grouped "
+                         "FP8 wgrad rows alone")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.torch_worker:
         print("TORCHJSON " + json.dumps(torch_worker(args.quick, args.only)))
         return
-    torch_res = run_torch(args.quick, args.only)
+    torch_res = {} if args.only == "fp8_wgrad" else run_torch(args.quick, args.only)
     import jax
 
     from pallas_kernels import triton_gemm as tg

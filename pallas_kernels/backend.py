@@ -1,9 +1,10 @@
 """Which implementation the public GEMM and token-movement ops run, visible and overridable.
 
 - "mosaic": warp-specialized Mosaic GPU WGMMA kernels (Hopper, jax >= 0.11): the
-  block-scaled FP8 GEMMs with 128x128 weight scales (fprop, dgrad) in `mosaic_gemm`,
-  all three BF16 grouped GEMMs in `mosaic_bf16_gemm`; the FP8 wgrad and token movement
-  run the Triton kernels. Default on an sm_90 GPU.
+  block-scaled FP8 GEMMs in `mosaic_gemm` (fprop and dgrad with 128x128 weight scales;
+  wgrad with 1x128 token scales on both operands, in a tile-aligned token layout), all
+  three BF16 grouped GEMMs in `mosaic_bf16_gemm`; token movement runs the Triton
+  kernels. Default on an sm_90 GPU.
 - "triton": the Pallas kernels in `triton_gemm`, lowered through Triton (any CUDA GPU).
 - "interpret": the same kernels in Pallas interpret mode (CPU tests of kernel logic).
 - "reference": the pure-JAX reference in `reference` (FP32 math; CPU default).
@@ -67,14 +68,29 @@ def _mosaic_grouped_matmul(a, b, group_sizes, *, a_scale=None, b_scale=None, b_r
 
 
 def _mosaic_grouped_matmul_tn(x, y, group_sizes, *, x_scale=None, y_scale=None,
-                              token_major=True, out_dtype=jnp.bfloat16, **triton_only):
-    """The 16-bit WGMMA wgrad kernel for token-major operands, else Triton."""
+                              token_major=True, out_dtype=jnp.bfloat16, tile_aligned=False,
+                              **triton_only):
+    """The WGMMA wgrad kernels where they apply (16-bit token-major; FP8 token-minor in a
+    tile-aligned layout), else Triton."""
+    if not triton_only and x_scale is not None and not token_major and tile_aligned:
+        return mosaic_gemm.scaled_grouped_matmul_tn(x, y, group_sizes, x_scale=x_scale,
+                                                    y_scale=y_scale, out_dtype=out_dtype)
     if (x_scale is None and token_major and not triton_only and x.dtype.itemsize == 2
             and x.dtype == y.dtype):
         return mosaic_bf16_gemm.grouped_matmul_tn(x, y, group_sizes, out_dtype=out_dtype)
     return triton_gemm.grouped_matmul_tn(x, y, group_sizes, x_scale=x_scale, y_scale=y_scale,
                                          token_major=token_major, out_dtype=out_dtype,
                                          **triton_only)
+
+
+def _alignment_blind(grouped_matmul_tn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """A wgrad that masks every group's tokens itself, so the `tile_aligned` promise (each
+    group starts on a 128-token tile) changes nothing for it."""
+    def call(*args, tile_aligned: bool = False, **kwargs) -> jax.Array:
+        del tile_aligned
+        return grouped_matmul_tn(*args, **kwargs)
+
+    return call
 
 
 def backend() -> str:
@@ -99,11 +115,15 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def ops(name: str | None = None) -> Ops:
+    """The GEMMs of a backend. ``grouped_matmul_tn`` (wgrad) also takes ``tile_aligned``:
+    the caller's promise that every group starts on a 128-token tile and its size is a
+    multiple of 128 (`group_schedule.AlignedLayout`), which the FP8 WGMMA kernel needs."""
     name = _validate(name) if name else backend()
     if name == "reference":
-        return Ops(reference.grouped_matmul, reference.grouped_matmul_tn)
+        return Ops(reference.grouped_matmul, _alignment_blind(reference.grouped_matmul_tn))
     if name == "mosaic":
         return Ops(_mosaic_grouped_matmul, _mosaic_grouped_matmul_tn)
     interpret = name == "interpret"
     return Ops(functools.partial(triton_gemm.grouped_matmul, interpret=interpret),
-               functools.partial(triton_gemm.grouped_matmul_tn, interpret=interpret))
+               _alignment_blind(functools.partial(triton_gemm.grouped_matmul_tn,
+                                                  interpret=interpret)))

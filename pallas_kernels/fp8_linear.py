@@ -4,7 +4,9 @@ Quantization is online. Each GEMM's scale tiles follow its contraction axis:
 fprop contracts K (x 1x128 along K, w 128x128), dgrad contracts N (dy 1x128 along
 N, w^T 128x128), wgrad contracts tokens (dy^T and x^T 1x128 along tokens; the fused
 ``quantize_along_tokens`` kernel quantizes 16-bit dy and the recomputed SwiGLU output
-row-major, with no transpose pass).
+row-major, with no transpose pass). The wgrad operands are laid out tile-aligned
+(``group_schedule.AlignedLayout``: each group's tokens start on a 128-token tile), so no
+scale tile mixes two experts' tokens and the WGMMA kernel needs no masking.
 
 FP8 activation storage: the residuals are the FP8 copies made for fprop (x with its
 1x128 scales, w with its 128x128 scales), not the BF16/FP32 inputs. dgrad reuses the
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import ops
 from pallas_kernels.gemm import scaled_matmul
+from pallas_kernels.group_schedule import AlignedLayout, aligned_layout, gather_aligned
 from pallas_kernels.movement import quantize_along_tokens
 from pallas_kernels.quantize import TILE, dequantize, quantize_1x128, quantize_128x128
 
@@ -55,28 +58,28 @@ def _dgrad(dy, w: Quantized, group_sizes, dtype) -> jax.Array:
                          group_sizes, b_row_tile=TILE, out_dtype=dtype)
 
 
-def _along_tokens(x: Quantized) -> Quantized:
-    """x^T (K, M) quantized 1x128 along tokens, from the saved K-tiled FP8 copy of x (M, K).
-    XLA fuses the dequantize into its transpose-quantize pass (1 byte in per element); the
-    fused kernel would need the FP32 dequantized copy written out first (4 bytes)."""
-    return quantize_1x128(dequantize(*x, row_tile=1).T)
+def _along_tokens(x: Quantized, layout: AlignedLayout) -> Quantized:
+    """x^T (K, R) quantized 1x128 along tokens in the tile-aligned layout, from the saved
+    K-tiled FP8 copy of x (M, K). XLA fuses the dequantize and the row gather into its
+    transpose-quantize pass (1 byte in per element); the fused kernel would need the FP32
+    dequantized copy written out first (4 bytes)."""
+    return quantize_1x128(gather_aligned(dequantize(*x, row_tile=1), layout).T)
 
 
-def _wgrad(dy, x_t: Quantized, group_sizes, grouped: bool, dtype) -> jax.Array:
-    """dw = dy^T x per group; x_t is x^T (K, M) already quantized along tokens."""
-    dyq, dys = quantize_along_tokens(dy)
+def _wgrad(dy, x_t: Quantized, layout: AlignedLayout, dtype) -> jax.Array:
+    """dw (G, N, K) = dy^T x per group; x_t is x^T (K, R) already quantized along tokens in
+    `layout`. One group is the dense case."""
+    dyq, dys = quantize_along_tokens(dy, layout)
     xq, xs = x_t
-    if grouped:
-        return ops().grouped_matmul_tn(dyq, xq, group_sizes, x_scale=dys, y_scale=xs,
-                                       token_major=False, out_dtype=dtype)
-    return scaled_matmul(dyq, dys, xq[None], xs[None], _full(dyq.shape[0]), b_row_tile=1,
-                         out_dtype=dtype)
+    return ops().grouped_matmul_tn(dyq, xq, layout.sizes, x_scale=dys, y_scale=xs,
+                                   token_major=False, out_dtype=dtype, tile_aligned=True)
 
 
-def _backward(res, dy, grouped: bool):
+def _backward(res, dy):
     x, w, sizes, x_dtype, w_dtype = res
+    layout = aligned_layout(sizes, dy.shape[0])
     dx = _dgrad(dy, w, sizes, x_dtype.dtype)
-    return dx, _wgrad(dy, _along_tokens(x), sizes, grouped, w_dtype.dtype)
+    return dx, _wgrad(dy, _along_tokens(x, layout), layout, w_dtype.dtype)
 
 
 def _forward(x, w, sizes, x_fp8: Quantized | None = None):
@@ -97,7 +100,8 @@ def _linear_fwd(x, w):
 
 
 def _linear_bwd(res, dy):
-    return _backward(res, dy, grouped=False)
+    dx, dw = _backward(res, dy)
+    return dx, dw[0]
 
 
 fp8_linear.defvjp(_linear_fwd, _linear_bwd)
@@ -119,7 +123,7 @@ def _grouped_fwd(x, w, group_sizes, x_fp8):
 
 
 def _grouped_bwd(res, dy):
-    return (*_backward(res, dy, grouped=True), None, None)
+    return (*_backward(res, dy), None, None)
 
 
 fp8_grouped_linear.defvjp(_grouped_fwd, _grouped_bwd)
@@ -161,7 +165,8 @@ def _gated_bwd(activation, res, dy):
     hidden, activation_vjp = jax.vjp(lambda g, u: _activate(g, u, activation, dtype), gate, up)
     # The recomputed activation is quantized along tokens straight from its BF16 value:
     # one rounding for wgrad here, unlike a plain FP8 linear's saved input.
-    dw = _wgrad(dy, quantize_along_tokens(hidden), sizes, True, w_dtype.dtype)
+    layout = aligned_layout(sizes, dy.shape[0])
+    dw = _wgrad(dy, quantize_along_tokens(hidden, layout), layout, w_dtype.dtype)
     d_gate, d_up = activation_vjp(_dgrad(dy, wq, sizes, dtype))
     return d_gate.astype(dtype), d_up.astype(dtype), dw, None
 

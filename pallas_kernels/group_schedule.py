@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quantize import cdiv
+from pallas_kernels.quantize import TILE, cdiv
 
 
 class TileSchedule(NamedTuple):
@@ -48,3 +48,51 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> TileSchedule:
     block = first[gid] + t - (cum - count)[gid]
     block = jnp.where(gid == g + 1, 0, block).astype(jnp.int32)
     return TileSchedule(gid, block, starts.astype(jnp.int32), ends.astype(jnp.int32))
+
+
+class AlignedLayout(NamedTuple):
+    """Rows of M regrouped so each group starts on a multiple of TILE, zero rows between.
+
+    Why: the FP8 wgrad contracts each group's rows in 128-row K steps whose scales are per
+    (column, 128-row tile). Tiles that straddle two groups would share a scale (one
+    group's outlier coarsens the other's) and need per-row masking inside the WGMMA
+    kernel; aligned tiles need neither (DeepGEMM's contiguous grouped layout). The padding
+    is at most TILE - 1 rows per group.
+    """
+
+    sizes: jax.Array  # (G,) each group's rows rounded up to a multiple of TILE
+    tile_source: jax.Array  # (R/TILE,) source row of each aligned tile's first row
+    tile_rows: jax.Array  # (R/TILE,) rows of the tile that hold data (the rest are zeros)
+
+
+def aligned_length(m: int, groups: int) -> int:
+    """Static row count R of the aligned layout of m rows in `groups` groups: the sum of
+    ceil(size / TILE) * TILE over groups is at most (m + (TILE - 1) * groups) / TILE tiles."""
+    return TILE * ((m + (TILE - 1) * groups) // TILE)
+
+
+def aligned_layout(group_sizes: jax.Array, m: int) -> AlignedLayout:
+    """The `AlignedLayout` of m rows grouped by `group_sizes` (rows past their sum are
+    left out)."""
+    starts, ends = group_bounds(group_sizes, m)
+    rows = ends - starts
+    sizes = ((rows + TILE - 1) // TILE * TILE).astype(jnp.int32)
+    aligned_ends = jnp.cumsum(sizes)
+    first = jnp.arange(aligned_length(m, group_sizes.shape[0]) // TILE, dtype=jnp.int32) * TILE
+    group = jnp.searchsorted(aligned_ends, first, side="right")
+    inside = group < group_sizes.shape[0]
+    group = jnp.minimum(group, group_sizes.shape[0] - 1)
+    offset = first - (aligned_ends - sizes)[group]
+    tile_rows = jnp.where(inside, jnp.clip(rows[group] - offset, 0, TILE), 0)
+    tile_source = jnp.where(inside, starts[group] + offset, 0)
+    return AlignedLayout(sizes, tile_source.astype(jnp.int32), tile_rows.astype(jnp.int32))
+
+
+def gather_aligned(x: jax.Array, layout: AlignedLayout) -> jax.Array:
+    """x (M, ...) rows placed in the aligned layout: (R, ...), zeros in the padding."""
+    m = x.shape[0]
+    within = jnp.arange(TILE, dtype=jnp.int32)
+    source = layout.tile_source[:, None] + within
+    source = jnp.where(within < layout.tile_rows[:, None], source, m).reshape(-1)
+    padded = jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)])
+    return padded[source]

@@ -29,7 +29,8 @@ from jax import lax
 
 from pallas_kernels.group_schedule import group_bounds
 from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, persistent_call,
-                                           store_rows, tile_visit, visit_ends)
+                                           store_rows, tile_visit, tma_ready, visit_ends,
+                                           wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -189,7 +190,7 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
 
     groups, p, q = out_gmem.shape
     stages = _stages(cfg, tile_q)
-    tiles_p, tiles_q = p // CTA_M, cdiv(q, tile_q)  # partial last tile as in _rows_kernel
+    tiles_p, tiles_q = cdiv(p, CTA_M), cdiv(q, tile_q)  # partial last tiles as in _rows_kernel
 
     def pipeline(body, compute_context, steps, first_block):
         return plgpu.emit_pipeline_warp_specialized(
@@ -224,10 +225,7 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
 
         @plgpu.nd_loop((groups * tiles_p * tiles_q,), collective_axes="sm")
         def _tiles(info):
-            (t,) = info.index
-            g = lax.div(t, jnp.int32(tiles_p * tiles_q))
-            pi, qi = plgpu.planar_snake(lax.rem(t, jnp.int32(tiles_p * tiles_q)),
-                                        (tiles_p, tiles_q), 1, cfg.grid_tile_width)
+            g, pi, qi = wgrad_tile(info, tiles_p, tiles_q, cfg.grid_tile_width)
             start, end = starts_gmem[g], ends_gmem[g]
             first_block = lax.div(start, jnp.int32(STEP))
             blocks = jnp.where(end > start, lax.div(end - 1, jnp.int32(STEP)) - first_block + 1, 0)
@@ -287,9 +285,10 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
 def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
                    cfg: Bf16Config | None = None, interpret: bool = False) -> jax.Array:
     """Rows of group g of a (M, K) @ b[g]: b (G, K, N) when b_kn, else b (G, N, K) used
-    transposed. Rows past sum(group_sizes) are zeros. M and K are zero-padded to the
-    tile grid and N to a multiple of 128 when needed (a copy; rare in training shapes).
-    ``interpret``: on the CPU (``mosaic_common.persistent_call``; b_kn only)."""
+    transposed. Rows past sum(group_sizes) are zeros. M and K are zero-padded to the tile
+    grid when needed; a partial last column tile needs no padding (N only to a multiple of
+    64, `mosaic_common.tma_ready`). ``interpret``: on the CPU (``mosaic_common.persistent_call``;
+    b_kn only)."""
     cfg = cfg or DEFAULT_CONFIG
     if a.dtype != b.dtype or a.dtype.itemsize != 2:
         raise ValueError(f"grouped_matmul (mosaic) wants equal 16-bit a and b; got "
@@ -298,8 +297,7 @@ def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
     n = b.shape[2] if b_kn else b.shape[1]
     tile_n = _tile_n(cfg, out_dtype)
     a = _pad_axis(_pad_axis(a, 1, STEP), 0, CTA_M)
-    b = _pad_axis(_pad_axis(b, 1, STEP), 2, TILE) if b_kn else _pad_axis(
-        _pad_axis(b, 2, STEP), 1, TILE)
+    b = tma_ready(_pad_axis(b, 1, STEP), 2) if b_kn else tma_ready(_pad_axis(b, 2, STEP), 1)
     mp, np_ = a.shape[0], (b.shape[2] if b_kn else b.shape[1])
     ends = visit_ends(group_sizes, m)
     body = functools.partial(_rows_kernel, groups=groups, b_kn=b_kn, tile_n=tile_n, cfg=cfg)
@@ -311,15 +309,16 @@ def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
 def grouped_matmul_tn(x, y, group_sizes, *, out_dtype=jnp.bfloat16,
                       cfg: Bf16Config | None = None) -> jax.Array:
     """(G, P, Q): x_g^T @ y_g over each group's rows of x (M, P) and y (M, Q); groups
-    with no rows give zeros. P and Q are zero-padded to multiples of 128 when needed."""
+    with no rows give zeros. Partial last tiles of P and Q need no padding (only to a
+    multiple of 64, `mosaic_common.tma_ready`)."""
     cfg = cfg or DEFAULT_CONFIG
     if x.dtype != y.dtype or x.dtype.itemsize != 2:
         raise ValueError(f"grouped_matmul_tn (mosaic) wants equal 16-bit x and y; got "
                          f"{x.dtype} and {y.dtype}")
     (m, p), q, groups = x.shape, y.shape[1], group_sizes.shape[0]
     tile_q = _tile_n(cfg, out_dtype)
-    x = _pad_axis(_pad_axis(x, 1, CTA_M), 0, STEP)
-    y = _pad_axis(_pad_axis(y, 1, TILE), 0, STEP)
+    x = tma_ready(_pad_axis(x, 0, STEP), 1)
+    y = tma_ready(_pad_axis(y, 0, STEP), 1)
     starts, ends = group_bounds(group_sizes.astype(jnp.int32), m)
     body = functools.partial(_tn_kernel, tile_q=tile_q, cfg=cfg)
     out_type = _out_shape((groups, x.shape[1], y.shape[1]), out_dtype, x, y)

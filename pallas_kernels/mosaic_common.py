@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.triton_gemm import _pad_axis
 from pallas_kernels.varying import mark_varying, varying_axes
 
 WG_ROWS = 64  # rows per consumer warpgroup (the WGMMA M)
@@ -86,6 +87,29 @@ def persistent_call(body, out_type, *operands, name: str, interpret: bool = Fals
     )
     return mark_varying(call(*operands),
                         tuple(sorted(frozenset().union(*map(varying_axes, operands)))))
+
+
+TMA_MULTIPLE = 64  # elements: a 128-byte swizzle row of 2-byte values (32 4-byte, 8 rows)
+
+
+def tma_ready(x: jax.Array, axis: int, multiple: int = TMA_MULTIPLE) -> jax.Array:
+    """x with `axis` zero-padded to a multiple of `multiple` elements (a copy, only where
+    needed). Mosaic's TMA transfers want a tiled dimension to be a multiple of its tiling
+    (the 128-byte swizzle row along the minor axis: 64 2-byte or 128 1-byte elements; 8
+    rows before it), not of the CTA tile: TMA loads zero-fill a partial tile's part past
+    the edge and stores clip it, so padding to the CTA tile would only add a copy."""
+    return _pad_axis(x, axis, multiple)
+
+
+def wgrad_tile(info, tiles_p: int, tiles_q: int, grid_tile_width: int):
+    """(group, row tile, column tile) of an `nd_loop` step over a wgrad's output tiles:
+    group-major, a snake over each group's (P, Q) tiles (L2 reuse)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    (t,) = info.index
+    per_group = jnp.int32(tiles_p * tiles_q)
+    pi, qi = plgpu.planar_snake(lax.rem(t, per_group), (tiles_p, tiles_q), 1, grid_tile_width)
+    return lax.div(t, per_group), pi, qi
 
 
 def tile_owner(t, ends_gmem, groups: int, block_m: int):

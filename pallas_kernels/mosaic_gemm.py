@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, persistent_call,
-                                           store_rows, tile_visit, visit_ends)
+                                           store_rows, tile_visit, tma_ready, visit_ends,
+                                           wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -64,11 +65,82 @@ class MosaicConfig:
 DEFAULT_CONFIG = MosaicConfig()
 
 
-def _load_row_vector(ref) -> jax.Array:
-    """A (64,) vector in the layout of the WGMMA accumulator's rows."""
+def _load_vector(ref, axis: int) -> jax.Array:
+    """A vector in the layout of the WGMMA accumulator's rows (axis 0: one value per row)
+    or columns (axis 1: one value per column)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA.reduce(1))
+    return plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA.reduce(1 - axis))
+
+
+def _fp8_spec(block: tuple[int, int], index):
+    """An FP8 operand tile, K-major: one 128-wide K step is one 128-byte swizzle row."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.BlockSpec(block, index, memory_space=plgpu.SMEM, transforms=(
+        plgpu.TilingTransform((8, FP8_SWIZZLE)), plgpu.SwizzleTransform(FP8_SWIZZLE)))
+
+
+def _scale_spec(block: tuple[int, int], index):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.BlockSpec(block, index, memory_space=plgpu.SMEM)
+
+
+def _pipeline(body, compute_context, steps, in_specs, cfg: MosaicConfig, state=None):
+    """The warp-specialized K loop: a TMA producer feeding both consumers' steps."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=in_specs,
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=cfg.stages,
+        compute_context=compute_context,
+        pipeline_state=state,
+    )
+
+
+def _block_product(a_smem, a_scale_smem, b_smem, wg) -> tuple[jax.Array, jax.Array]:
+    """This consumer's 64 x 128 FP32 product of one 128-deep K step in a fresh
+    accumulator, and the 64 row scales of a for it."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+
+    def product(acc):
+        plgpu.wgmma(acc, a_smem.at[rows], plgpu.transpose_ref(b_smem, (1, 0)))
+        return acc[...], _load_vector(a_scale_smem.at[0, rows], 0)
+
+    return pl.run_scoped(product, plgpu.ACC((WG_ROWS, TILE_N), jnp.float32))
+
+
+def _wgmma_zeros() -> jax.Array:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.layout_cast(jnp.zeros((WG_ROWS, TILE_N), jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _broadcast(vector: jax.Array, shape: tuple[int, int], axis: int) -> jax.Array:
+    return lax.broadcast_in_dim(vector, shape, [axis])
+
+
+def _with_staging(allocs, out_dtype, body) -> None:
+    """body(allocs, out_smem, wg) with the ring's shared memory and each consumer's
+    64 x 128 epilogue staging tile, then waits for the last stores to leave it."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @functools.partial(pl.run_scoped, allocs=allocs,
+                       out_smem=plgpu.SMEM((2, WG_ROWS, TILE_N), out_dtype),
+                       collective_axes="wg")
+    def _scope(allocs, out_smem):
+        body(allocs, out_smem, lax.axis_index("wg"))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
@@ -80,52 +152,30 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
     n = b_gmem.shape[1]
     k_steps = k // TILE
     tiles_m = cdiv(m, CTA_M) + groups
-    tiles_n = n // TILE_N
-    fp8_transforms = (plgpu.TilingTransform((8, FP8_SWIZZLE)),
-                      plgpu.SwizzleTransform(FP8_SWIZZLE))
+    tiles_n = cdiv(n, TILE_N)  # a partial last column tile: its stores are clipped
 
     chain = k_steps <= 32 if cfg.chain is None else cfg.chain
     chained = chain and k_steps % cfg.stages == 0
 
     def pipeline(body, compute_context, state=None):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_steps,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((CTA_M, TILE), lambda s: (0, s),
-                                transforms=fp8_transforms, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((1, CTA_M), lambda s: (s, 0), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((TILE_N, TILE), lambda s: (0, s),
-                                transforms=fp8_transforms, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((1, WG_ROWS), lambda s: (s, 0), memory_space=plgpu.SMEM),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=cfg.stages,
-            compute_context=compute_context,
-            pipeline_state=state,
-        )
+        return _pipeline(body, compute_context, k_steps, [
+            _fp8_spec((CTA_M, TILE), lambda s: (0, s)),
+            _scale_spec((1, CTA_M), lambda s: (s, 0)),
+            _fp8_spec((TILE_N, TILE), lambda s: (0, s)),
+            _scale_spec((1, WG_ROWS), lambda s: (s, 0)),
+        ], cfg, state)
 
     ignore = lambda *_, **__: None
     allocs = pipeline(ignore, ignore).get_allocations(
         a_gmem, a_scale_gmem, b_gmem.at[0], b_scale_gmem.at[0])
 
-    @functools.partial(
-        pl.run_scoped,
-        allocs=allocs,
-        out_smem=plgpu.SMEM((2, WG_ROWS, TILE_N), out_gmem.dtype),
-        collective_axes="wg",
-    )
-    def _scope(allocs, out_smem):
-        wg = lax.axis_index("wg")
-
+    @functools.partial(_with_staging, allocs, out_gmem.dtype)
+    def _scope(allocs, out_smem, wg):
         @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):
             ni, group, row0, wg_row0, first, count = tile_visit(
                 info, tiles_m, tiles_n, cfg.grid_tile_width, wg, ends_gmem, groups)
             out_cols = out_gmem.at[:, pl.ds(ni * TILE_N, TILE_N)]
-            wg_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
 
             def store(values):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -134,21 +184,12 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                 store_rows(out_smem.at[wg], out_cols, wg_row0, first, count)
 
             def compute_context(run):
-                zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, TILE_N), jnp.float32),
-                                          plgpu.Layout.WGMMA)
-                store(run(zeros))
+                store(run(_wgmma_zeros()))
 
             def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, total):
-                def product(acc):
-                    plgpu.wgmma(acc, a_smem.at[wg_rows],
-                                plgpu.transpose_ref(b_smem, (1, 0)))
-                    sa = _load_row_vector(a_scale_smem.at[0, wg_rows])
-                    sb = _load_row_vector(b_scale_smem.at[0])
-                    return acc[...], sa * sb
-
-                part, scale = pl.run_scoped(product,
-                                            plgpu.ACC((WG_ROWS, TILE_N), jnp.float32))
-                return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
+                part, sa = _block_product(a_smem, a_scale_smem, b_smem, wg)
+                scale = sa * _load_vector(b_scale_smem.at[0], 0)
+                return total + part * _broadcast(scale, part.shape, 0)
 
             runs = group < groups
             state = chained_state(chained, carry)
@@ -166,12 +207,76 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
 
             @pl.when((group == groups) & (wg < 2))
             def _zeros():
-                store(plgpu.layout_cast(jnp.zeros((WG_ROWS, TILE_N), jnp.float32),
-                                        plgpu.Layout.WGMMA))
+                store(_wgmma_zeros())
 
             return carry | runs.astype(jnp.int32)
 
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem,
+               out_gmem, *, cfg: MosaicConfig):
+    """wgrad: out[g] (P, Q) = sum over group g's 128-token blocks of the x (P rows) and y
+    (Q rows) tiles' product, scaled by x's row scales and y's column scales."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    groups, p, q = out_gmem.shape
+    tiles_p, tiles_q = cdiv(p, CTA_M), cdiv(q, TILE_N)  # partial last tiles: stores clipped
+
+    def pipeline(body, compute_context, steps, first_block):
+        return _pipeline(body, compute_context, steps, [
+            _fp8_spec((CTA_M, TILE), lambda s: (0, first_block + s)),
+            _scale_spec((1, CTA_M), lambda s: (first_block + s, 0)),
+            _fp8_spec((TILE_N, TILE), lambda s: (0, first_block + s)),
+            _scale_spec((1, TILE_N), lambda s: (first_block + s, 0)),
+        ], cfg)
+
+    ignore = lambda *_, **__: None
+    allocs = pipeline(ignore, ignore, cfg.stages, 0).get_allocations(
+        x_gmem, x_scale_gmem, y_gmem, y_scale_gmem)
+
+    @functools.partial(_with_staging, allocs, out_gmem.dtype)
+    def _scope(allocs, out_smem, wg):
+        @plgpu.nd_loop((groups * tiles_p * tiles_q,), collective_axes="sm")
+        def _tiles(info):
+            g, pi, qi = wgrad_tile(info, tiles_p, tiles_q, cfg.grid_tile_width)
+            first_block, blocks = lax.div(starts_gmem[g], jnp.int32(TILE)), blocks_gmem[g]
+            # Whole turns of the ring, as in mosaic_bf16_gemm's wgrad (pipelines of other
+            # lengths in a row desynchronize the ring's barrier phases); the extra steps
+            # read the next group's tokens or zero-filled blocks and are not accumulated.
+            steps = lax.div(blocks + (cfg.stages - 1), jnp.int32(cfg.stages)) * cfg.stages
+            out_tile = out_gmem.at[g, pl.ds(pi * CTA_M + wg * WG_ROWS, WG_ROWS),
+                                   pl.ds(qi * TILE_N, TILE_N)]
+
+            def store(values):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                out_smem[wg] = values.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
+
+            def compute_context(run):
+                store(run(_wgmma_zeros()))
+
+            def step(idx, x_smem, x_scale_smem, y_smem, y_scale_smem, total):
+                (s,) = idx
+                part, sx = _block_product(x_smem, x_scale_smem, y_smem, wg)
+                sy = _load_vector(y_scale_smem.at[0], 1)
+                scaled = part * _broadcast(sx, part.shape, 0) * _broadcast(sy, part.shape, 1)
+                keep = lax.broadcast_in_dim(s < blocks, part.shape, ())
+                return lax.select(keep, total + scaled, total)
+
+            @pl.when(steps > 0)
+            def _real():
+                pipeline(step, compute_context, steps, first_block)(
+                    x_gmem.at[pl.ds(pi * CTA_M, CTA_M)],
+                    x_scale_gmem.at[:, pl.ds(pi * CTA_M, CTA_M)],
+                    y_gmem.at[pl.ds(qi * TILE_N, TILE_N)],
+                    y_scale_gmem.at[:, pl.ds(qi * TILE_N, TILE_N)],
+                    allocations=allocs,
+                )
+
+            @pl.when((steps == 0) & (wg < 2))
+            def _empty_group():
+                store(_wgmma_zeros())
 
 
 def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.bfloat16,
@@ -179,13 +284,15 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
     """dequant(a) rows of group g @ dequant(b[g])^T; a (M, K) FP8 with 1x128 scales
     (M, K/128), b (G, N, K) FP8 with 128x128 scales (G, N/128, K/128).
 
-    Shapes off the tile grid are zero-padded here (a copy; rare in training shapes).
+    M and K are zero-padded to the tile grid when needed (K: the FP8 swizzle row is one
+    128-deep K step); a partial last column tile needs no padding (N only to a multiple
+    of 64, `mosaic_common.tma_ready`).
     """
     cfg = cfg or DEFAULT_CONFIG
     (m, k), (groups, n, _) = a.shape, b.shape
     a = _pad_axis(_pad_axis(a, 1, TILE), 0, CTA_M)
     a_scale = _pad_axis(a_scale, 0, CTA_M)
-    b = _pad_axis(_pad_axis(b, 2, TILE), 1, TILE_N)
+    b = tma_ready(_pad_axis(b, 2, TILE), 1)
     mp, np_ = a.shape[0], b.shape[1]
     # End row of each group, then of the zero rows past the last group.
     ends = visit_ends(group_sizes, m)
@@ -195,3 +302,29 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
                           _out_shape((mp, np_), out_dtype, a, b),
                           ends, a, a_scale.T, b, b_scale_rows, name="fp8_grouped_gemm")
     return out[:m, :n] if (mp, np_) != (m, n) else out
+
+
+def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=jnp.bfloat16,
+                             cfg: MosaicConfig | None = None) -> jax.Array:
+    """(G, P, Q): dequant(x)_g @ dequant(y)_g^T over each group's tokens; x (P, M) and
+    y (Q, M) FP8, token-minor, with 1x128 scales along tokens (P, M/128) and (Q, M/128).
+
+    The tokens must be in a tile-aligned layout (`group_schedule.AlignedLayout`): every
+    group starts on a multiple of 128 and group_sizes are multiples of 128, so each K
+    step belongs to one group and nothing is masked. Partial last tiles of P and Q need
+    no padding (only to multiples of 64, `mosaic_common.tma_ready`).
+    """
+    cfg = cfg or DEFAULT_CONFIG
+    (p, m), q = x.shape, y.shape[0]
+    if m % TILE:
+        raise ValueError(f"scaled_grouped_matmul_tn wants a tile-aligned token axis (a "
+                         f"multiple of {TILE}); got x {x.shape}")
+    x, x_scale = tma_ready(x, 0), tma_ready(x_scale, 0)
+    y, y_scale = tma_ready(y, 0), tma_ready(y_scale, 0)
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    out_type = _out_shape((sizes.shape[0], x.shape[0], y.shape[0]), out_dtype, x, y)
+    out = persistent_call(functools.partial(_tn_kernel, cfg=cfg), out_type, starts,
+                          sizes // TILE, x, x_scale.T, y, y_scale.T,
+                          name="fp8_grouped_wgrad_gemm")
+    return out[:, :p, :q] if out.shape[1:] != (p, q) else out

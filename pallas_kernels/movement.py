@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import movement_reference, triton_movement
 from pallas_kernels.backend import backend
+from pallas_kernels.group_schedule import AlignedLayout
 
 # Ops whose XLA compile of the reference already runs at the kernel's speed on a GPU, so
 # the GPU backends use the reference for them: combine's forward (mostly reads; XLA
@@ -142,10 +143,13 @@ def _combine_bwd(residuals, g):
 combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-def quantize_along_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None
+                          ) -> tuple[jax.Array, jax.Array]:
     """quantize_1x128(x.T) for wgrad, read straight from row-major x (M, K): (K, M) FP8 and
-    (K, ceil(M/128)) FP32 scales, with no separate transpose pass."""
+    (K, ceil(M/128)) FP32 scales, with no separate transpose pass. With a
+    `group_schedule.AlignedLayout`, the tokens land in its tile-aligned layout: (K, R) and
+    (K, R/128), each group's tokens starting on a 128-token tile, zeros between."""
     if x.ndim != 2:
         raise ValueError(f"quantize_along_tokens wants x (M, K), got {x.shape}")
     shapes = ((x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn))
-    return _impl("quantize_along_tokens", *shapes)(x)
+    return _impl("quantize_along_tokens", *shapes)(x, layout)

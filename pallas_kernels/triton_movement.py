@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.group_schedule import AlignedLayout
 from pallas_kernels.movement_reference import inverse_permutation
 from pallas_kernels.quantize import FP8, FP8_MAX, TILE, cdiv
 from pallas_kernels.triton_gemm import _compiler_params, _out_shape
@@ -239,26 +240,39 @@ def combine_backward(g, y, permutation, weights, *, cfg=None, interpret=False, o
     return dy, dw.reshape(tokens, k).astype(weights.dtype)
 
 
-def _quantize_tokens_kernel(x_ref, q_ref, s_ref, *, m, kdim, cfg):
+def _quantize_tokens_kernel(source_ref, rows_ref, x_ref, q_ref, s_ref, *, width, kdim, cfg):
     bk = cfg.block_cols
     i, j = pl.program_id(0), pl.program_id(1)
-    rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * bk, bk)
-    row_in = i * TILE + _iota(TILE) < m
+    cols = pl.ds(j * bk, bk)
+    row_in = _iota(TILE) < rows_ref[i]
     col_in = j * bk + _iota(bk) < kdim
-    v = pltriton.load(x_ref.at[rows, cols], mask=row_in[:, None] & col_in[None, :], other=0)
+    v = pltriton.load(x_ref.at[pl.ds(source_ref[i], TILE), cols],
+                      mask=row_in[:, None] & col_in[None, :], other=0)
     q, scale = _quantize_rows(v.T)  # (bk, 128): one scale per column of x
-    pltriton.store(q_ref.at[cols, rows], q, mask=col_in[:, None] & row_in[None, :])
+    out_in = i * TILE + _iota(TILE) < width
+    pltriton.store(q_ref.at[cols, pl.ds(i * TILE, TILE)], q,
+                   mask=col_in[:, None] & out_in[None, :])
     pltriton.store(s_ref.at[cols, i], scale, mask=col_in)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def quantize_along_tokens(x, *, cfg=None, interpret=False, out_init=None):
-    """See movement_reference.quantize_along_tokens."""
+def quantize_along_tokens(x, layout: AlignedLayout | None = None, *, cfg=None, interpret=False,
+                          out_init=None):
+    """See movement_reference.quantize_along_tokens. Each program quantizes one 128-token
+    tile, read from its source rows (contiguous in x in both layouts)."""
     cfg = cfg or TRANSPOSE_CONFIG
     if cfg.block_rows != TILE:
         raise ValueError(f"quantize_along_tokens needs block_rows == {TILE}, got {cfg.block_rows}")
     m, kdim = x.shape
-    outs = (_out_shape((kdim, m), FP8, x), _out_shape((kdim, cdiv(m, TILE)), jnp.float32, x))
-    kernel = functools.partial(_quantize_tokens_kernel, m=m, kdim=kdim, cfg=cfg)
-    grid = (cdiv(m, TILE), cdiv(kdim, cfg.block_cols))
-    return tuple(_call("transpose_quantize", kernel, [x], outs, grid, cfg, interpret, out_init))
+    if layout is None:
+        first = jnp.arange(cdiv(m, TILE), dtype=jnp.int32) * TILE
+        tile_source, tile_rows, width = first, jnp.minimum(m - first, TILE), m
+    else:
+        tile_source, tile_rows = layout.tile_source, layout.tile_rows
+        width = tile_source.shape[0] * TILE
+    outs = (_out_shape((kdim, width), FP8, x),
+            _out_shape((kdim, cdiv(width, TILE)), jnp.float32, x))
+    kernel = functools.partial(_quantize_tokens_kernel, width=width, kdim=kdim, cfg=cfg)
+    grid = (cdiv(width, TILE), cdiv(kdim, cfg.block_cols))
+    return tuple(_call("transpose_quantize", kernel, [tile_source, tile_rows, x], outs, grid,
+                       cfg, interpret, out_init))

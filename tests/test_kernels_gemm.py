@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from pallas_kernels import triton_gemm as tg
+from pallas_kernels.group_schedule import aligned_layout, aligned_length, gather_aligned
 from pallas_kernels.quantize import dequantize
 
 SMALL = tg.TileConfig(block_m=32, block_n=32, block_k=128, num_warps=4, num_stages=2)
@@ -223,7 +224,7 @@ def test_mosaic_kernel_outputs_vary_like_their_operands(monkeypatch):
     that checks varying axes, each Mosaic op's output must vary over ``expert`` like its
     operands, or a custom_vjp around it gets cotangents of the wrong type (traced on CPU
     with a Hopper's 132 SMs: the kernels are lowered only on the GPU)."""
-    from pallas_kernels import mosaic_bf16_gemm, mosaic_common, mosaic_gemm
+    from pallas_kernels import mosaic_common
 
     monkeypatch.setattr(mosaic_common, "sm_count", lambda: 132)
     mesh = jax.make_mesh((2,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,),
@@ -231,21 +232,64 @@ def test_mosaic_kernel_outputs_vary_like_their_operands(monkeypatch):
     types = {}
 
     def body(a, b, sizes, a8, a_scale, b8, b_scale):
-        outs = {"fwd": mosaic_bf16_gemm.grouped_matmul(a, b, sizes, b_kn=True),
-                "wgrad": mosaic_bf16_gemm.grouped_matmul_tn(a, a, sizes),
-                "fp8": mosaic_gemm.scaled_grouped_matmul(a8, b8, sizes, a_scale=a_scale,
-                                                         b_scale=b_scale)}
+        outs = _mosaic_calls(a, b, sizes, a8, a_scale, b8, b_scale)
         types.update({k: jax.typeof(v) for k, v in outs.items()})
         return tuple(outs.values())
 
-    shapes = (((512, 256), jnp.bfloat16), ((4, 256, 384), jnp.bfloat16), ((8,), jnp.int32),
-              ((512, 256), jnp.float8_e4m3fn), ((512, 2), jnp.float32),
-              ((4, 384, 256), jnp.float8_e4m3fn), ((4, 3, 2), jnp.float32))
     specs = (P("expert"), P(), P("expert"), P("expert"), P("expert"), P(), P())
     jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=specs,
-                                 out_specs=(P("expert"),) * 3))(
-        *(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
+                                 out_specs=(P("expert"),) * 4))(*_MOSAIC_OPERANDS)
     assert {k: "expert" in str(t) for k, t in types.items()} == dict.fromkeys(types, True), types
+
+
+def _mosaic_calls(a, b, sizes, a8, a_scale, b8, b_scale) -> dict[str, jax.Array]:
+    """One call of each Mosaic GPU kernel on `_MOSAIC_OPERANDS`-shaped inputs."""
+    from pallas_kernels import mosaic_bf16_gemm, mosaic_gemm
+
+    return {"bf16_grouped_gemm": mosaic_bf16_gemm.grouped_matmul(a, b, sizes, b_kn=True),
+            "bf16_grouped_wgrad_gemm": mosaic_bf16_gemm.grouped_matmul_tn(a, a, sizes),
+            "fp8_grouped_gemm": mosaic_gemm.scaled_grouped_matmul(
+                a8, b8, sizes, a_scale=a_scale, b_scale=b_scale),
+            "fp8_grouped_wgrad_gemm": mosaic_gemm.scaled_grouped_matmul_tn(
+                a8.T, a8.T, sizes * 128, x_scale=a_scale.reshape(a8.shape[1], -1),
+                y_scale=a_scale.reshape(a8.shape[1], -1), out_dtype=jnp.float32)}
+
+
+_MOSAIC_OPERANDS = tuple(jax.ShapeDtypeStruct(s, d) for s, d in (
+    ((512, 256), jnp.bfloat16), ((4, 256, 384), jnp.bfloat16), ((8,), jnp.int32),
+    ((512, 256), jnp.float8_e4m3fn), ((512, 2), jnp.float32),
+    ((4, 384, 256), jnp.float8_e4m3fn), ((4, 3, 2), jnp.float32)))
+
+
+def test_mosaic_kernels_lower_for_a_hopper_on_cpu(monkeypatch):
+    """Every Mosaic GPU kernel traces and lowers (layout inference, the warp-specialized
+    pipelines, register layouts) for CUDA on this CPU: what the interpreter cannot run
+    (transposed WGMMA operands, FP8 register layouts) is at least compiled to Mosaic GPU's
+    IR here. The GPU tests (-m gpu) check the numbers."""
+    from pallas_kernels import mosaic_common
+
+    monkeypatch.setattr(mosaic_common, "sm_count", lambda: 132)
+    for name in jax.eval_shape(_mosaic_calls, *_MOSAIC_OPERANDS):
+        call = jax.jit(lambda *ops, name=name: _mosaic_calls(*ops)[name])
+        text = call.trace(*_MOSAIC_OPERANDS).lower(lowering_platforms=("cuda",)).as_text()
+        assert name in text
+
+
+def test_aligned_layout_starts_every_group_on_a_tile(request):
+    rng = _rng(request)
+    for sizes in (np.array([0, 1, 127, 128, 129, 300, 0]), np.ones(9, np.int64),
+                  rng.multinomial(900, rng.dirichlet(np.full(12, 0.3)))):
+        m = int(sizes.sum()) + 37  # rows past the groups' sum are left out
+        x = rng.standard_normal((m, 3)).astype(np.float32)
+        layout = aligned_layout(jnp.asarray(sizes, jnp.int32), m)
+        got = np.asarray(gather_aligned(jnp.asarray(x), layout))
+        assert got.shape[0] == aligned_length(m, len(sizes)) and got.shape[0] % 128 == 0
+        want, row, at = np.zeros_like(got), 0, 0
+        for size in sizes:
+            want[at:at + size] = x[row:row + size]
+            row, at = row + size, at + -(-size // 128) * 128
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.asarray(layout.sizes), -(-sizes // 128) * 128)
 
 
 def test_mosaic_bf16_fprop_kernel_interpreted_on_cpu():

@@ -9,6 +9,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import mosaic_common
 from pallas_kernels import triton_gemm as tg
+from pallas_kernels.group_schedule import aligned_layout
 from pallas_kernels.quantize import dequantize
 
 pytestmark = [pytest.mark.gpu,
@@ -48,6 +49,7 @@ needs_mosaic = pytest.mark.skipif(not mosaic_common.available(), reason="needs s
     (1300, 2112, 1024, SIZES),  # uneven groups incl. 0/1/127/129 rows, 43 zero rows, N % 128
     (1000, 384, 7168, np.array([1000], np.int32)),  # dense, long K (no chained pipelines)
     (8192, 256, 512, np.array([3000, 0, 5192], np.int32)),  # many tiles per SM (chained)
+    (1300, 704, 704, SIZES),  # the small preset's expert width: partial K step and N tile
 ])
 def test_mosaic_fp8_grouped_gemm_gpu(m, n, k, sizes):
     ka, kb = jax.random.split(jax.random.key(m + n + k))
@@ -78,6 +80,57 @@ def test_mosaic_fp8_gemm_nan_propagates_gpu():
     assert np.all(np.isnan(out[5])) and np.all(np.isfinite(np.delete(out, 5, axis=0)))
 
 
+def _wgrad_operands(p: int, q: int, sizes: np.ndarray, seed: int, nan_row: int | None = None):
+    """x (M, P), y (M, Q) quantized along tokens in the tile-aligned layout of `sizes`
+    (43 rows past their sum), and the layout."""
+    m = int(sizes.sum()) + 43
+    kx, ky = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, p), jnp.bfloat16)
+    if nan_row is not None:
+        x = x.at[nan_row, 5].set(jnp.nan)
+    y = jax.random.normal(ky, (m, q), jnp.bfloat16)
+    layout = aligned_layout(jnp.asarray(sizes), m)
+    return pk.quantize_along_tokens(x, layout), pk.quantize_along_tokens(y, layout), layout
+
+
+def _mosaic_fp8_wgrad(xq, yq, layout) -> np.ndarray:
+    from pallas_kernels import mosaic_gemm
+
+    return np.asarray(mosaic_gemm.scaled_grouped_matmul_tn(
+        xq[0], yq[0], layout.sizes, x_scale=xq[1], y_scale=yq[1], out_dtype=jnp.float32))
+
+
+SKEWED_64 = (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
+    np.random.default_rng(0)).astype(np.int32)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("p,q,sizes", [
+    (320, 200, SIZES),  # groups of 0/1/127/129 rows; P and Q off the 128 grid
+    (512, 384, np.array([1000], np.int32)),  # dense: one group, long K
+    (256, 256, SKEWED_64),  # 64 skewed groups, some empty
+])
+def test_mosaic_fp8_wgrad_gpu(p, q, sizes):
+    xq, yq, layout = _wgrad_operands(p, q, sizes, seed=p + q + len(sizes))
+    out = _mosaic_fp8_wgrad(xq, yq, layout)
+    x64, y64 = (_ref64(lambda v: v, dequantize(v, s, 1)) for v, s in (xq, yq))
+    ends = np.cumsum(np.asarray(layout.sizes))
+    ref = np.stack([x64[:, lo:hi] @ y64[:, lo:hi].T
+                    for lo, hi in zip(ends - np.asarray(layout.sizes), ends)])
+    assert _rel(out, ref) <= 1e-3
+    assert np.all(out[sizes == 0] == 0)
+
+
+@needs_mosaic
+def test_mosaic_fp8_wgrad_nan_stays_in_its_group_gpu():
+    """A NaN in group 2's first token reaches only group 2's gradient, though group 1's
+    single tile is run as a whole ring turn whose extra steps read group 2's tiles."""
+    xq, yq, layout = _wgrad_operands(256, 128, SIZES, seed=3, nan_row=int(SIZES[:2].sum()))
+    out = _mosaic_fp8_wgrad(xq, yq, layout)
+    assert np.all(np.isnan(out[2, 5])) and np.all(np.isfinite(np.delete(out, 2, axis=0)))
+    assert np.all(np.isfinite(np.delete(out[2], 5, axis=0)))
+
+
 @pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=needs_mosaic)])
 def test_fp8_grouped_linear_grads_gpu(backend):
     m, n, k = 1300, 256, 512
@@ -99,9 +152,9 @@ def test_fp8_grouped_linear_grads_gpu(backend):
 @pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=needs_mosaic)])
 @pytest.mark.parametrize("m,k,n,sizes", [
     (1300, 512, 384, SIZES),  # uneven groups incl. 0/1/127/129 rows; 128-wide column tiles
+    (1300, 704, 704, SIZES),  # partial last tiles of N (fprop) and of P and Q (wgrad)
     (2048, 1024, 512, np.array([1000, 0, 1000], np.int32)),  # 256-wide tiles, 48 zero rows
-    (4096, 256, 384, (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
-        np.random.default_rng(0)).astype(np.int32)),  # 64 skewed groups, some empty
+    (4096, 256, 384, SKEWED_64),  # 64 skewed groups, some empty
 ])
 @pytest.mark.parametrize("b_dtype", [jnp.bfloat16, jnp.float32])  # FP32: master weights
 def test_grouped_gemm_gpu_grads(backend, m, k, n, sizes, b_dtype):

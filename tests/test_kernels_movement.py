@@ -14,6 +14,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import movement, movement_reference as ref, triton_movement as tm
+from pallas_kernels.group_schedule import aligned_layout, gather_aligned
 
 SMALL = tm.MoveConfig(block_rows=16, block_cols=256)  # tiles smaller than every T, H below
 # (tokens, k, experts, routing): T never a multiple of a tile; one expert only; empty experts.
@@ -135,13 +136,17 @@ def test_combine_backward_kernel_matches_float64(request):
     assert _rel64(dy, want_dy) <= 2e-7 and _rel64(dw, want_dw.reshape(tokens, k)) <= 2e-7
 
 
-@pytest.mark.parametrize("m,kdim", [(300, 200), (128, 64), (77, 129)])
-def test_quantize_along_tokens_is_quantize_1x128_of_the_transpose(request, m, kdim):
+@pytest.mark.parametrize("m,kdim,sizes", [(300, 200, None), (128, 64, None), (77, 129, None),
+                                          (300, 200, [0, 1, 127, 129, 2]),  # aligned layout
+                                          (77, 129, [77])])
+def test_quantize_along_tokens_is_quantize_1x128_of_the_transpose(request, m, kdim, sizes):
     x = jnp.asarray(_rng(request).standard_normal((m, kdim)) * 3, jnp.bfloat16)
-    poison = (jnp.full((kdim, m), jnp.nan, jnp.float8_e4m3fn),
-              jnp.full((kdim, -(-m // 128)), jnp.nan))
-    q, s = tm.quantize_along_tokens(x, interpret=True, out_init=poison)
-    want_q, want_s = pk.quantize_1x128(x.T)
+    layout = None if sizes is None else aligned_layout(jnp.asarray(sizes, jnp.int32), m)
+    width = m if layout is None else layout.tile_source.shape[0] * 128
+    poison = (jnp.full((kdim, width), jnp.nan, jnp.float8_e4m3fn),
+              jnp.full((kdim, -(-width // 128)), jnp.nan))
+    q, s = tm.quantize_along_tokens(x, layout, interpret=True, out_init=poison)
+    want_q, want_s = pk.quantize_1x128((x if layout is None else gather_aligned(x, layout)).T)
     np.testing.assert_array_equal(_bits(q), _bits(want_q))
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
 
