@@ -73,10 +73,11 @@ def test_layout_step_equals_one_device(cfg, batches, reference, spec, zero_stage
         # step 0 sees the same parameters: float32 tolerance. Step 1 sees parameters after
         # one Adam update, which is ~sign(g) * lr per element, so elements with |g| near
         # the reduction-order noise of the sharded gradient sums may move the other way
-        # (a random seed once gave 8e-5 relative on the loss): a looser bound there.
-        rel = 2e-5 if step == 0 else 3e-4
+        # (random seeds gave 8e-5 relative on the loss and 6.1e-4 on the gradient norm):
+        # a looser bound there.
+        rel = 2e-5 if step == 0 else 2e-3
         for key in COMPARED:
-            assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-7), (step, key)
+            assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-7), (step, key, SEED)
     got_leaves, want_leaves = jax.tree.leaves(update), jax.tree.leaves(ref_update)
     diff = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(got_leaves, want_leaves)))
     norm = np.sqrt(sum(np.sum(b ** 2) for b in want_leaves))
