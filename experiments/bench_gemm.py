@@ -322,7 +322,7 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
                 dytq, xtq, al_sizes, x_scale=dyts, y_scale=xts, token_major=False,
                 out_dtype=jnp.float32), dytq, xtq, dyts, xts, layout.sizes)) if g <= 8 else None
         vs = {kk: tq(kk) for kk in ("dense_fp8_ours", "triton_ours")}
-        io = layout.tile_source.shape[0] * 128 * (k + n) + g * k * n * 2
+        io = layout.length * (k + n) + g * k * n * 2
         emit(rows, Row("fp8_grouped_gemm wgrad", gkey, flops, io, "fp8", tq("ours"), err, vs))
         del x, dy, b, xq, dyq, wq, bq, xtq, dytq, uxq, udq, dq, dw
     return rows

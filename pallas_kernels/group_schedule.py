@@ -64,6 +64,11 @@ class AlignedLayout(NamedTuple):
     tile_source: jax.Array  # (R/TILE,) source row of each aligned tile's first row
     tile_rows: jax.Array  # (R/TILE,) rows of the tile that hold data (the rest are zeros)
 
+    @property
+    def length(self) -> int:
+        """R, the static row count of the layout."""
+        return self.tile_source.shape[0] * TILE
+
 
 def aligned_length(m: int, groups: int) -> int:
     """Static row count R of the aligned layout of m rows in `groups` groups: the sum of

@@ -143,6 +143,17 @@ def _with_staging(allocs, out_dtype, body) -> None:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _stage(out_smem, wg, values: jax.Array):
+    """This consumer's epilogue slot holding `values` in the output dtype, ready for a TMA
+    store (once the slot's previous store has read it out)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem[wg] = values.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    return out_smem.at[wg]
+
+
 def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
             groups: int, cfg: MosaicConfig):
     from jax.experimental import pallas as pl
@@ -178,10 +189,7 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
             out_cols = out_gmem.at[:, pl.ds(ni * TILE_N, TILE_N)]
 
             def store(values):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_smem[wg] = values.astype(out_smem.dtype)
-                plgpu.commit_smem()
-                store_rows(out_smem.at[wg], out_cols, wg_row0, first, count)
+                store_rows(_stage(out_smem, wg, values), out_cols, wg_row0, first, count)
 
             def compute_context(run):
                 store(run(_wgmma_zeros()))
@@ -248,10 +256,7 @@ def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_g
                                    pl.ds(qi * TILE_N, TILE_N)]
 
             def store(values):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_smem[wg] = values.astype(out_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
+                plgpu.copy_smem_to_gmem(_stage(out_smem, wg, values), out_tile)
 
             def compute_context(run):
                 store(run(_wgmma_zeros()))

@@ -268,8 +268,7 @@ def quantize_along_tokens(x, layout: AlignedLayout | None = None, *, cfg=None, i
         first = jnp.arange(cdiv(m, TILE), dtype=jnp.int32) * TILE
         tile_source, tile_rows, width = first, jnp.minimum(m - first, TILE), m
     else:
-        tile_source, tile_rows = layout.tile_source, layout.tile_rows
-        width = tile_source.shape[0] * TILE
+        tile_source, tile_rows, width = layout.tile_source, layout.tile_rows, layout.length
     outs = (_out_shape((kdim, width), FP8, x),
             _out_shape((kdim, cdiv(width, TILE)), jnp.float32, x))
     kernel = functools.partial(_quantize_tokens_kernel, width=width, kdim=kdim, cfg=cfg)

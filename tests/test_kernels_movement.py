@@ -142,7 +142,7 @@ def test_combine_backward_kernel_matches_float64(request):
 def test_quantize_along_tokens_is_quantize_1x128_of_the_transpose(request, m, kdim, sizes):
     x = jnp.asarray(_rng(request).standard_normal((m, kdim)) * 3, jnp.bfloat16)
     layout = None if sizes is None else aligned_layout(jnp.asarray(sizes, jnp.int32), m)
-    width = m if layout is None else layout.tile_source.shape[0] * 128
+    width = m if layout is None else layout.length
     poison = (jnp.full((kdim, width), jnp.nan, jnp.float8_e4m3fn),
               jnp.full((kdim, -(-width // 128)), jnp.nan))
     q, s = tm.quantize_along_tokens(x, layout, interpret=True, out_init=poison)
