@@ -233,10 +233,13 @@ def print_fit(cfg: ExperimentConfig, seq: int, limit: int) -> None:
                                     f"train.seq_len={seq}", "train.batch_size=1"])
         return largest_batch(lambda batch: compiled_peak(run, batch)[0], limit)
 
+    found = {}
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        found = dict(zip(cases, pool.map(search, cases)))
-    for (remat, precision), batch in found.items():
-        print(f"  remat={remat:<10} precision={precision:<5} batch {batch}")
+        futures = {pool.submit(search, case): case for case in cases}
+        for future in concurrent.futures.as_completed(futures):  # progress as each ends
+            (remat, precision), batch = futures[future], future.result()
+            found[remat, precision] = batch
+            print(f"  remat={remat:<10} precision={precision:<5} batch {batch}", flush=True)
     base = found["none", "bf16"]
     if base:
         print(f"selective + FP8 storage vs none + BF16: "

@@ -51,15 +51,20 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
     """(permutation, group_sizes) of a stable sort of the flat (T*k,) expert ids.
 
     One single-operand sort of the unique keys expert * n + position (stable by
-    construction) instead of a key-value argsort.
+    construction) instead of a key-value argsort; the group sizes come from a binary
+    search of the sorted keys, not a bincount (its scatter-add into E counters took as
+    long as the sort on an H100: 100-360 us at T*k = 32K-512K).
     """
     flat = expert_ids.reshape(-1).astype(jnp.int32)
     n = flat.shape[0]
     position = jnp.arange(n, dtype=jnp.int32)
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     if num_experts * n >= SORT_KEY_LIMIT:
+        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
         return jnp.argsort(flat, stable=True).astype(jnp.int32), sizes
-    return jax.lax.sort(flat * n + position) % n, sizes
+    keys = jax.lax.sort(flat * n + position)
+    bounds = jnp.arange(num_experts + 1, dtype=jnp.int32) * n
+    starts = jnp.searchsorted(keys, bounds, method="scan_unrolled")
+    return keys % n, jnp.diff(starts).astype(jnp.int32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

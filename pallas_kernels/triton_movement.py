@@ -2,10 +2,12 @@
 the output, the index math and quantization in registers between them.
 
 - `permute`: sorted copies x[permutation // k], optionally quantized to FP8 with 1x128
-  scales on the way out (the gather and `quantize_1x128` in one pass).
+  scales on the way out (`quantize_1x128` and the scatter to the k sorted rows in one
+  pass; each token is read and quantized once).
 - `combine`: out[t] = sum over the k copies of weight * row, gathered through the inverse
   permutation and summed in FP32 registers (un-permute, weight and sum in one pass).
-- `combine_backward`: the weighted dispatch of the gradient and the per-copy dots.
+- `combine_backward`: the weighted dispatch of the gradient (each gradient row read once,
+  scattered to its k copies) and the per-copy dots.
 - `quantize_along_tokens`: quantize_1x128(x.T) read straight from row-major x (the tile is
   transposed in registers, not by a separate pass over memory).
 
@@ -42,9 +44,10 @@ class MoveConfig:
 
 
 # The best of a small sweep on an H100 at T = 16384, H = 7168 and 2048 (docs/performance.md).
-PERMUTE_CONFIG = MoveConfig(block_rows=16, block_cols=512)
+PERMUTE_CONFIG = MoveConfig(block_rows=32, block_cols=512, num_warps=8)
+QUANTIZED_PERMUTE_CONFIG = MoveConfig(block_rows=16, block_cols=2048, num_warps=8)
 COMBINE_CONFIG = MoveConfig(block_rows=32, block_cols=256)
-COMBINE_BWD_CONFIG = MoveConfig(block_rows=32, block_cols=256)
+COMBINE_BWD_CONFIG = MoveConfig(block_rows=8, block_cols=1024)
 TRANSPOSE_CONFIG = MoveConfig(block_rows=TILE, block_cols=64, num_warps=8)
 
 
@@ -100,38 +103,48 @@ def _call(name: str, kernel, operands, out_shapes, grid, cfg: MoveConfig, interp
 
 
 def _pack_words(q: jax.Array) -> jax.Array:
-    """(rows, 128) FP8 -> (rows, 32) uint32, four bytes per word, first byte lowest (what
-    a little-endian bitcast of the words back to bytes reads)."""
-    rows = q.shape[0]
+    """(rows, cols) FP8 -> (rows, cols / 4) uint32, four bytes per word, first byte lowest
+    (what a little-endian bitcast of the words back to bytes reads)."""
+    rows, cols = q.shape
     byte = jax.lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint32)
     shift = (8 * _iota(4)).astype(jnp.uint32)
-    return jnp.sum(byte.reshape(rows, TILE // 4, 4) << shift[None, None, :], axis=2)
+    return jnp.sum(byte.reshape(rows, cols // 4, 4) << shift[None, None, :], axis=2)
 
 
-def _permute_kernel(perm_ref, x_ref, *out_refs, k, n_rows, h, cfg, quantize, packed):
-    bm, bh = cfg.block_rows, cfg.block_cols
+def _token_block(i, bt: int, tokens: int) -> jax.Array:
+    """Tokens i*bt.. of program i, those past T repeating token T-1: their duplicate
+    stores write the same values to the same places, so rows need no store mask (a masked
+    scatter would race its real writer in interpret mode, which emulates masks by
+    read-modify-write)."""
+    return jnp.minimum(i * bt + _iota(bt), tokens - 1)
+
+
+def _permute_kernel(inv_ref, x_ref, *out_refs, k, tokens, h, cfg, quantize, packed):
+    """Program (i, j): tokens i*bt.. read once (columns j*bh..), quantized once, and each
+    written to its k sorted rows (a scatter): the gather form read every token k times,
+    from HBM once x outgrows L2. The whole (bt, bh) tile is stored at once: FP8 rows in
+    128-byte pieces ran at half the bandwidth of the BF16 permute's."""
+    bt, bh = cfg.block_rows, cfg.block_cols
     i, j = pl.program_id(0), pl.program_id(1)
-    rows = pl.ds(i * bm, bm)
-    row_in = i * bm + _iota(bm) < n_rows
-    src = jax.lax.div(pltriton.load(perm_ref.at[rows], mask=row_in, other=0), k)
-    chunk = TILE if quantize else bh
-    for c in range(bh // chunk):
-        c0 = j * bh + c * chunk
-        mask = row_in[:, None] & (c0 + _iota(chunk) < h)[None, :]
-        v = pltriton.load(x_ref.at[_gathered(src, c0, chunk)], mask=mask, other=0)
-        if not quantize:
-            pltriton.store(out_refs[0].at[rows, pl.ds(c0, chunk)], v, mask=mask)
-            continue
-        q_ref, s_ref = out_refs
-        q, scale = _quantize_rows(v)
-        if packed:
-            words = c0 // 4 + _iota(TILE // 4)
-            pltriton.store(q_ref.at[rows, pl.ds(c0 // 4, TILE // 4)], _pack_words(q),
-                           mask=row_in[:, None] & (words < h // 4)[None, :])
-        else:
-            pltriton.store(q_ref.at[rows, pl.ds(c0, chunk)], q, mask=mask)
-        tile = c0 // TILE
-        pltriton.store(s_ref.at[rows, tile], scale, mask=row_in & (tile < cdiv(h, TILE)))
+    toks = _token_block(i, bt, tokens)
+    col_in = (j * bh + _iota(bh) < h)[None, :]
+    v = pltriton.load(x_ref.at[_gathered(toks, j * bh, bh)], mask=col_in, other=0)
+    dests = [pltriton.load(inv_ref.at[toks * k + s]) for s in range(k)]
+    if not quantize:
+        for d in dests:
+            pltriton.store(out_refs[0].at[_gathered(d, j * bh, bh)], v, mask=col_in)
+        return
+    q_ref, s_ref = out_refs
+    nb = bh // TILE
+    q, scale = _quantize_rows(v.reshape(bt * nb, TILE))
+    q, scale = q.reshape(bt, bh), scale.reshape(bt, nb)
+    tiles = j * nb + _iota(nb)
+    tile_in = (tiles < cdiv(h, TILE))[None, :]
+    if packed:
+        q, col_in = _pack_words(q), (j * bh // 4 + _iota(bh // 4) < h // 4)[None, :]
+    for d in dests:
+        pltriton.store(q_ref.at[_gathered(d, j * q.shape[1], q.shape[1])], q, mask=col_in)
+        pltriton.store(s_ref.at[d[:, None], tiles[None, :]], scale, mask=tile_in)
 
 
 def packs_fp8(n_rows: int, h: int) -> bool:
@@ -145,7 +158,7 @@ def permute(x, permutation, k, *, quantize, cfg=None, interpret=False, out_init=
             packed=None):
     """See movement_reference.permute. packed (default: packs_fp8) writes the FP8 rows as
     uint32 words, bitcast back to bytes for free outside the kernel."""
-    cfg = cfg or PERMUTE_CONFIG
+    cfg = cfg or (QUANTIZED_PERMUTE_CONFIG if quantize else PERMUTE_CONFIG)
     if quantize and cfg.block_cols % TILE:
         raise ValueError(f"quantizing needs block_cols a multiple of {TILE}, got {cfg.block_cols}")
     n_rows, h = permutation.shape[0], x.shape[1]
@@ -156,11 +169,12 @@ def permute(x, permutation, k, *, quantize, cfg=None, interpret=False, out_init=
         outs = (values, _out_shape((n_rows, cdiv(h, TILE)), jnp.float32, x, permutation))
     else:
         outs = (_out_shape((n_rows, h), x.dtype, x, permutation),)
-    kernel = functools.partial(_permute_kernel, k=k, n_rows=n_rows, h=h, cfg=cfg,
+    tokens = x.shape[0]
+    kernel = functools.partial(_permute_kernel, k=k, tokens=tokens, h=h, cfg=cfg,
                                quantize=quantize, packed=packed)
-    grid = (cdiv(n_rows, cfg.block_rows), cdiv(h, cfg.block_cols))
-    result = _call("dispatch_permute", kernel, [permutation, x], outs, grid, cfg, interpret,
-                   out_init)
+    grid = (cdiv(tokens, cfg.block_rows), cdiv(h, cfg.block_cols))
+    result = _call("dispatch_permute", kernel, [inverse_permutation(permutation), x], outs,
+                   grid, cfg, interpret, out_init)
     if not quantize:
         return result[0], None
     values = result[0]
@@ -199,29 +213,25 @@ def combine(y, permutation, weights, *, cfg=None, interpret=False, out_init=None
     return _call("combine", kernel, operands, out, grid, cfg, interpret, out_init)
 
 
-def _combine_bwd_kernel(perm_ref, w_ref, g_ref, y_ref, dy_ref, dw_ref, *, k, n_rows, h, cfg):
-    bm, bh = cfg.block_rows, cfg.block_cols
-    i = pl.program_id(0)
-    rows = pl.ds(i * bm, bm)
-    row_in = i * bm + _iota(bm) < n_rows
-    copy = pltriton.load(perm_ref.at[rows], mask=row_in, other=0)
-    tok = jax.lax.div(copy, k)
-    w = pltriton.load(w_ref.at[copy], mask=row_in, other=0.0)
-
-    def step(c, dots):
-        cols = pl.ds(c * bh, bh)
-        mask = row_in[:, None] & (c * bh + _iota(bh) < h)[None, :]
-        g = pltriton.load(g_ref.at[_gathered(tok, c * bh, bh)], mask=mask, other=0)
-        g = g.astype(jnp.float32)
-        v = pltriton.load(y_ref.at[rows, cols], mask=mask, other=0).astype(jnp.float32)
-        pltriton.store(dy_ref.at[rows, cols], (w[:, None] * g).astype(dy_ref.dtype), mask=mask)
-        return dots + jnp.sum(g * v, axis=1)
-
-    dots = jax.lax.fori_loop(0, cdiv(h, bh), step, jnp.zeros((bm,), jnp.float32))
-    # Stored in sorted order (a contiguous block); the caller un-permutes the T*k scalars.
-    # A scatter here would let masked lanes (index 0) race the real writer of copy 0 in
-    # interpret mode, which emulates masked stores by read-modify-write.
-    pltriton.store(dw_ref.at[rows], dots, mask=row_in)
+def _combine_bwd_kernel(inv_ref, w_ref, g_ref, y_ref, dy_ref, dots_ref, *, k, tokens, h,
+                        cfg):
+    """Program (i, j): the gradient rows of tokens i*bt.. (columns j*bh..) read once and
+    written, weighted, to each token's k sorted rows; the per-copy dots over these columns
+    go to column j of dots_ref (summed over j outside)."""
+    bt, bh = cfg.block_rows, cfg.block_cols
+    i, j = pl.program_id(0), pl.program_id(1)
+    toks = _token_block(i, bt, tokens)
+    col_in = (j * bh + _iota(bh) < h)[None, :]
+    g = pltriton.load(g_ref.at[_gathered(toks, j * bh, bh)], mask=col_in, other=0)
+    g = g.astype(jnp.float32)
+    for s in range(k):
+        copy = toks * k + s
+        dest = pltriton.load(inv_ref.at[copy])
+        w = pltriton.load(w_ref.at[copy])
+        v = pltriton.load(y_ref.at[_gathered(dest, j * bh, bh)], mask=col_in, other=0)
+        pltriton.store(dy_ref.at[_gathered(dest, j * bh, bh)],
+                       (w[:, None] * g).astype(dy_ref.dtype), mask=col_in)
+        pltriton.store(dots_ref.at[copy, j], jnp.sum(g * v.astype(jnp.float32), axis=1))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -229,15 +239,15 @@ def combine_backward(g, y, permutation, weights, *, cfg=None, interpret=False, o
     """See movement_reference.combine_backward."""
     cfg = cfg or COMBINE_BWD_CONFIG
     (tokens, k), (n_rows, h) = weights.shape, y.shape
-    operands = [permutation, weights.reshape(-1).astype(jnp.float32), g, y]
+    operands = [inverse_permutation(permutation), weights.reshape(-1).astype(jnp.float32), g, y]
+    col_blocks = cdiv(h, cfg.block_cols)
     outs = (_out_shape((n_rows, h), y.dtype, g, y, permutation, weights),
-            _out_shape((n_rows,), jnp.float32, g, y, permutation, weights))
-    kernel = functools.partial(_combine_bwd_kernel, k=k, n_rows=n_rows, h=h, cfg=cfg)
-    grid = (cdiv(n_rows, cfg.block_rows),)
-    dy, dw_sorted = _call("combine_backward", kernel, operands, outs, grid, cfg, interpret,
-                          out_init)
-    dw = jnp.zeros_like(dw_sorted).at[permutation].set(dw_sorted)
-    return dy, dw.reshape(tokens, k).astype(weights.dtype)
+            _out_shape((n_rows, col_blocks), jnp.float32, g, y, permutation, weights))
+    kernel = functools.partial(_combine_bwd_kernel, k=k, tokens=tokens, h=h, cfg=cfg)
+    grid = (cdiv(tokens, cfg.block_rows), col_blocks)
+    dy, dots = _call("combine_backward", kernel, operands, outs, grid, cfg, interpret,
+                     out_init)
+    return dy, jnp.sum(dots, axis=1).reshape(tokens, k).astype(weights.dtype)
 
 
 def _quantize_tokens_kernel(source_ref, rows_ref, x_ref, q_ref, s_ref, *, width, kdim, cfg):
