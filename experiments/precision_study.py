@@ -1,7 +1,8 @@
 """BF16 vs FP8 training side by side: speed, memory, loss, and the largest micro-batch.
 
     python -m experiments.precision_study [--preset small] [--steps 40] [--batch B] [--seq S]
-        [--precisions bf16,fp8] [--fit-seq 4096] [--device-memory GiB] [--profile DIR]
+        [--precisions bf16,fp8] [--fit-seq 4096] [--fit-cases none:bf16,...]
+        [--device-memory GiB] [--profile DIR]
         [--set section.field=value ...]
 
 Both runs start from the same seed and see the same batches (byte-level text of the Python
@@ -45,6 +46,7 @@ from moejax import profiling
 from moejax.data.corpus import stdlib_documents
 from moejax.data.tokenizer import ByteTokenizer
 from moejax.memory.budget import compiled_peak, device_memory_limit
+from moejax.memory.remat import POLICIES as REMAT_POLICIES
 from moejax.train.config import ExperimentConfig, apply_overrides, get_experiment_preset
 from moejax.train.flops import mfu, peak_flops, train_flops_per_token
 from moejax.train.step import attention_implementation, make_train_step, state_initializer
@@ -221,29 +223,55 @@ def print_account(results: dict[str, RunResult]) -> None:
             print(f"  {us / 1e3:>9.1f} ms  {category:<13} {name}")
 
 
-def print_fit(cfg: ExperimentConfig, seq: int, limit: int) -> None:
-    """The four searches run in threads: XLA compiles without the GIL, so they overlap."""
-    print(f"\nlargest micro-batch at seq {seq} within {limit / GIB:.1f} GiB "
-          f"(compiled memory, nothing run):")
-    cases = [(remat, precision) for remat in ("none", "selective") for precision in PRECISIONS]
+FitCase = tuple[str, str]  # (remat policy, precision)
+FIT_CASES: tuple[FitCase, ...] = tuple((remat, precision) for remat in ("none", "selective")
+                                       for precision in PRECISIONS)
 
-    def search(case: tuple[str, str]) -> int:
+
+def parse_fit_cases(text: str) -> tuple[FitCase, ...]:
+    """``none:bf16,selective:fp8`` -> ((none, bf16), (selective, fp8)); a ValueError names
+    the bad entry and what is allowed."""
+    cases = []
+    for entry in text.split(","):
+        remat, _, precision = entry.partition(":")
+        if remat not in REMAT_POLICIES or precision not in PRECISIONS:
+            raise ValueError(f"fit case {entry!r}: want REMAT:PRECISION with REMAT in "
+                             f"{REMAT_POLICIES} and PRECISION in {PRECISIONS}")
+        cases.append((remat, precision))
+    return tuple(cases)
+
+
+def print_fit(cfg: ExperimentConfig, seq: int, limit: int,
+              cases: tuple[FitCase, ...] = FIT_CASES) -> None:
+    """The searches run in threads: XLA compiles without the GIL, so they overlap. Each
+    compile is printed as it ends (a seq-4096 `small` step takes minutes to compile on a
+    GPU, so a long search shows where it is, and a cut one what it had found)."""
+    print(f"\nlargest micro-batch at seq {seq} within {limit / GIB:.1f} GiB "
+          f"(compiled memory, nothing run):", flush=True)
+
+    def search(case: FitCase) -> int:
         remat, precision = case
         run = apply_overrides(cfg, [f"train.remat={remat}", f"train.precision={precision}",
                                     f"train.seq_len={seq}", "train.batch_size=1"])
-        return largest_batch(lambda batch: compiled_peak(run, batch)[0], limit)
+
+        def bytes_at(batch: int) -> int:
+            used = compiled_peak(run, batch)[0]
+            print(f"    remat={remat} precision={precision} batch {batch}: "
+                  f"{used / GIB:.2f} GiB", flush=True)
+            return used
+
+        return largest_batch(bytes_at, limit)
 
     found = {}
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         futures = {pool.submit(search, case): case for case in cases}
-        for future in concurrent.futures.as_completed(futures):  # progress as each ends
+        for future in concurrent.futures.as_completed(futures):
             (remat, precision), batch = futures[future], future.result()
             found[remat, precision] = batch
             print(f"  remat={remat:<10} precision={precision:<5} batch {batch}", flush=True)
-    base = found["none", "bf16"]
-    if base:
-        print(f"selective + FP8 storage vs none + BF16: "
-              f"{found['selective', 'fp8'] / base:.2f}x the micro-batch")
+    base, saver = found.get(("none", "bf16")), found.get(("selective", "fp8"))
+    if base and saver is not None:
+        print(f"selective + FP8 storage vs none + BF16: {saver / base:.2f}x the micro-batch")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit-seq", type=int,
                         help="sequence length of the largest-micro-batch search: default "
                              "4096 or the model's max_position_embeddings if less; 0 skips it")
+    parser.add_argument("--fit-cases", default=",".join(f"{r}:{p}" for r, p in FIT_CASES),
+                        help="REMAT:PRECISION pairs to search (one device call may not hold "
+                             "all four at seq 4096)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help=f"comma-separated subset of {PRECISIONS} to train")
     parser.add_argument("--profile", metavar="DIR",
@@ -268,6 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     precisions = args.precisions.split(",")
     if set(precisions) - set(PRECISIONS):
         parser.error(f"--precisions {args.precisions!r}: choose from {PRECISIONS}")
+    try:
+        fit_cases = parse_fit_cases(args.fit_cases)
+    except ValueError as e:
+        parser.error(f"--fit-cases: {e}")
     if args.steps < 0:
         parser.error(f"--steps {args.steps}: must be >= 0")
     if args.profile and jax.default_backend() == "cpu":
@@ -294,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     fit_seq = (min(4096, cfg.model.max_position_embeddings) if args.fit_seq is None
                else args.fit_seq)
     if fit_seq:
-        print_fit(cfg, fit_seq, device_memory_bytes(args.device_memory))
+        print_fit(cfg, fit_seq, device_memory_bytes(args.device_memory), fit_cases)
 
 
 if __name__ == "__main__":

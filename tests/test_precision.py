@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.precision_study import largest_batch, text_batches
+from experiments.precision_study import largest_batch, parse_fit_cases, text_batches
+from experiments.precision_study import main as precision_study_main
 from moejax.config import ConfigError
 from moejax.model import DeepseekV3
 from moejax.model.layers import DenseMLP, Linear
@@ -307,3 +308,18 @@ def test_largest_batch_search_is_exact_and_cheap(curvature):
         got = largest_batch(lambda b: compiles.append(b) or memory(b), limit)
         assert got == max((b for b in range(1, 4097) if memory(b) <= limit), default=0)
         assert len(compiles) <= (4 if curvature == 0 else 26)
+
+
+def test_fit_cases_are_parsed_and_each_compile_is_reported(capsys):
+    assert parse_fit_cases("none:bf16,selective:fp8") == (("none", "bf16"), ("selective", "fp8"))
+    with pytest.raises(ValueError, match="'selective:fp16'.*PRECISION in"):
+        parse_fit_cases("none:bf16,selective:fp16")
+    with pytest.raises(SystemExit):
+        precision_study_main(["--preset", "tiny", "--steps", "0", "--fit-cases", "some:fp8"])
+    assert "--fit-cases: fit case 'some:fp8'" in capsys.readouterr().err
+    # 1 MiB holds no tiny step: one compile, reported, and the search answers 0.
+    precision_study_main(["--preset", "tiny", "--steps", "0", "--fit-seq", "32",
+                          "--fit-cases", "selective:fp8", "--device-memory", str(2**-10)])
+    out = capsys.readouterr().out
+    assert re.search(r"remat=selective precision=fp8 batch 1: [0-9.]+ GiB", out), out
+    assert re.search(r"remat=selective +precision=fp8 +batch 0\n", out), out
