@@ -47,11 +47,11 @@ from moejax.data.corpus import stdlib_documents
 from moejax.data.tokenizer import ByteTokenizer
 from moejax.memory.budget import compiled_peak, device_memory_limit
 from moejax.memory.remat import POLICIES as REMAT_POLICIES
+from moejax.precision import PRECISIONS
 from moejax.train.config import ExperimentConfig, apply_overrides, get_experiment_preset
 from moejax.train.flops import mfu, peak_flops, train_flops_per_token
 from moejax.train.step import attention_implementation, make_train_step, state_initializer
 
-PRECISIONS = ("bf16", "fp8")
 LOSS_WINDOW = 20  # steps per mean in the loss comparison
 GIB = 2**30
 

@@ -57,11 +57,10 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
     """
     flat = expert_ids.reshape(-1).astype(jnp.int32)
     n = flat.shape[0]
-    position = jnp.arange(n, dtype=jnp.int32)
     if num_experts * n >= SORT_KEY_LIMIT:
         sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
         return jnp.argsort(flat, stable=True).astype(jnp.int32), sizes
-    keys = jax.lax.sort(flat * n + position)
+    keys = jax.lax.sort(flat * n + jnp.arange(n, dtype=jnp.int32))
     bounds = jnp.arange(num_experts + 1, dtype=jnp.int32) * n
     starts = jnp.searchsorted(keys, bounds, method="scan_unrolled")
     return keys % n, jnp.diff(starts).astype(jnp.int32)
