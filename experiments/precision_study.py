@@ -2,7 +2,7 @@
 
     python -m experiments.precision_study [--preset small] [--steps 40] [--batch B] [--seq S]
         [--precisions bf16,fp8] [--fit-seq 4096] [--fit-cases none:bf16,...]
-        [--device-memory GiB] [--profile DIR]
+        [--fit-cache FILE] [--device-memory GiB] [--profile DIR]
         [--set section.field=value ...]
 
 Both runs start from the same seed and see the same batches (byte-level text of the Python
@@ -23,8 +23,9 @@ up by name.
 The fit table gives the largest micro-batch at ``--fit-seq`` for remat none / selective
 and BF16 / FP8 activation storage: the step is compiled (never run) at candidate batch
 sizes and its memory compared with the device's memory (``bytes_limit``, or
-``--device-memory``). A linear fit of two compiles (batch 1 and 2) proposes the size; a
-binary search between compiles that fit and that do not settles it, so nothing OOMs.
+``--device-memory``). Each probe is interpolated from the compiles so far
+(``largest_batch``), so nothing OOMs and a search takes a handful of compiles;
+``--fit-cache FILE`` keeps every compile's bytes so a search cut off resumes.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ import argparse
 import concurrent.futures
 import dataclasses
 import gzip
+import hashlib
+import json
 import pathlib
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -124,28 +128,38 @@ def train(cfg: ExperimentConfig, batches: np.ndarray, profile_dir: str | None = 
 def largest_batch(bytes_at: Callable[[int], int], limit: int, cap: int = 4096) -> int:
     """The largest batch <= ``cap`` whose compiled step fits ``limit`` bytes (0: none does).
 
-    Two compiles fit a line (the step's memory grows linearly in batch); from its guess the
-    search gallops outward until it brackets the answer, then bisects: ~4 compiles.
+    The step's memory is nearly linear in batch and a little convex. Each probe is where the
+    line through the two nearest measured points meets ``limit``: through batch 1 and 2
+    first, then through the largest batch known to fit and the smallest known not to, which
+    brackets the answer; on a convex curve the chord's crossing lies at or below the true
+    one, so the bracket closes from below in a few compiles (each is minutes at seq 4096).
+    After two fitting probes in a row inside a bracket the probe is at least its midpoint,
+    so a strongly curved step still halves the bracket every other compile.
     """
-    one = bytes_at(1)
-    if one > limit:
+    lo, lo_bytes = 1, bytes_at(1)
+    if lo_bytes > limit:
         return 0
-    slope = max(bytes_at(2) - one, 1)
-    probe = int(min(cap, max(1, 1 + (limit - one) // slope)))
-    fits, misses, stride = 1, cap + 1, 1
-    upward = bytes_at(probe) <= limit
-    fits, misses = (probe, misses) if upward else (fits, probe)
-    while misses - fits > 1:  # gallop away from the guess until the answer is bracketed
-        probe = min(fits + stride, misses - 1) if upward else max(misses - stride, fits + 1)
-        if (bytes_at(probe) <= limit) != upward:
-            fits, misses = (fits, probe) if upward else (probe, misses)
+    prev, prev_bytes = lo, lo_bytes
+    hi, hi_bytes = cap + 1, None  # smallest batch known not to fit (cap + 1: assumed)
+    probe, fitted_in_a_row = 2, 0
+    while hi - lo > 1:
+        used = bytes_at(probe)
+        if used <= limit:
+            prev, prev_bytes, lo, lo_bytes = lo, lo_bytes, probe, used
+            fitted_in_a_row += 1
+        else:
+            hi, hi_bytes, fitted_in_a_row = probe, used, 0
+        if hi - lo <= 1:
             break
-        fits, misses = (probe, misses) if upward else (fits, probe)
-        stride *= 2
-    while misses - fits > 1:
-        mid = (fits + misses) // 2
-        fits, misses = (mid, misses) if bytes_at(mid) <= limit else (fits, mid)
-    return fits
+        if hi_bytes is None:  # extrapolate the last two that fit
+            slope = max((lo_bytes - prev_bytes) / (lo - prev), 1.0)
+        else:  # the chord across the bracket
+            slope = max((hi_bytes - lo_bytes) / (hi - lo), 1.0)
+        probe = lo + int((limit - lo_bytes) // slope)
+        if hi_bytes is not None and fitted_in_a_row >= 2:
+            probe = max(probe, (lo + hi) // 2)
+        probe = min(max(probe, lo + 1), hi - 1)
+    return lo
 
 
 CPU_ASSUMED_GIB = 1.0
@@ -241,11 +255,39 @@ def parse_fit_cases(text: str) -> tuple[FitCase, ...]:
     return tuple(cases)
 
 
+class CompileCache:
+    """Compiled step bytes by config, device and jax version, kept in a JSON file so a fit
+    search cut off by a time limit resumes where it stopped (``--fit-cache``)."""
+
+    def __init__(self, path: pathlib.Path | None):
+        self.path, self._lock = path, threading.Lock()
+        self._bytes: dict[str, int] = (json.loads(path.read_text())
+                                       if path is not None and path.exists() else {})
+
+    @staticmethod
+    def key(cfg: ExperimentConfig) -> str:
+        text = f"{cfg!r} {jax.devices()[0].device_kind} jax {jax.__version__}"
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def get(self, cfg: ExperimentConfig) -> int | None:
+        with self._lock:
+            return self._bytes.get(self.key(cfg))
+
+    def put(self, cfg: ExperimentConfig, used: int) -> None:
+        with self._lock:
+            self._bytes[self.key(cfg)] = used
+            if self.path is not None:
+                self.path.write_text(json.dumps(self._bytes, indent=1))
+
+
 def print_fit(cfg: ExperimentConfig, seq: int, limit: int,
-              cases: tuple[FitCase, ...] = FIT_CASES) -> None:
+              cases: tuple[FitCase, ...] = FIT_CASES, cache: CompileCache | None = None
+              ) -> None:
     """The searches run in threads: XLA compiles without the GIL, so they overlap. Each
-    compile is printed as it ends (a seq-4096 `small` step takes minutes to compile on a
-    GPU, so a long search shows where it is, and a cut one what it had found)."""
+    compile is printed as it ends with its time (a seq-4096 `small` step takes minutes to
+    compile on a GPU, so a long search shows where it is, and a cut one what it had found);
+    probes compile without GEMM autotuning (memory is what they measure)."""
+    cache = cache or CompileCache(None)
     print(f"\nlargest micro-batch at seq {seq} within {limit / GIB:.1f} GiB "
           f"(compiled memory, nothing run):", flush=True)
 
@@ -255,9 +297,14 @@ def print_fit(cfg: ExperimentConfig, seq: int, limit: int,
                                     f"train.seq_len={seq}", "train.batch_size=1"])
 
         def bytes_at(batch: int) -> int:
-            used = compiled_peak(run, batch)[0]
+            probe = apply_overrides(run, [f"train.batch_size={batch}"])
+            used, start = cache.get(probe), time.perf_counter()
+            if used is None:
+                used = compiled_peak(probe, autotune=False)[0]
+                cache.put(probe, used)
+            took = time.perf_counter() - start
             print(f"    remat={remat} precision={precision} batch {batch}: "
-                  f"{used / GIB:.2f} GiB", flush=True)
+                  f"{used / GIB:.2f} GiB ({took:.0f} s)", flush=True)
             return used
 
         return largest_batch(bytes_at, limit)
@@ -287,6 +334,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit-cases", default=",".join(f"{r}:{p}" for r, p in FIT_CASES),
                         help="REMAT:PRECISION pairs to search (one device call may not hold "
                              "all four at seq 4096)")
+    parser.add_argument("--fit-cache", type=pathlib.Path, metavar="FILE",
+                        help="JSON of compiled step bytes: read, and written after each "
+                             "compile, so a cut search resumes without recompiling")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help=f"comma-separated subset of {PRECISIONS} to train")
     parser.add_argument("--profile", metavar="DIR",
@@ -329,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
     fit_seq = (min(4096, cfg.model.max_position_embeddings) if args.fit_seq is None
                else args.fit_seq)
     if fit_seq:
-        print_fit(cfg, fit_seq, device_memory_bytes(args.device_memory), fit_cases)
+        print_fit(cfg, fit_seq, device_memory_bytes(args.device_memory), fit_cases,
+                  CompileCache(args.fit_cache))
 
 
 if __name__ == "__main__":

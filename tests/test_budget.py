@@ -9,8 +9,8 @@ from moejax.memory import budget as budget_model
 from moejax.parallel.mesh import MeshSpec
 from moejax.train.config import apply_overrides, get_experiment_preset
 
-# Deeper than the budget's reduced-depth copy (the dense layers + 2 MoE layers), so the
-# estimate extrapolates rather than compiling the very step it is checked against. No MTP
+# Deeper than the budget's reduced-depth copies (the dense layers + 2 and 3 MoE layers), so
+# the estimate extrapolates rather than compiling the very step it is checked against. No MTP
 # and no dense layer keep the compiles short.
 SHAPES = ["model.num_hidden_layers=5", "model.first_k_dense_replace=0",
           "model.num_nextn_predict_layers=0", "train.seq_len=32", "train.batch_size=4"]
@@ -31,8 +31,9 @@ def test_budget_within_10_percent_of_xla(remat, precision):
 
 @pytest.fixture
 def no_workspace_compile(monkeypatch):
-    """Tests of the other terms skip the reduced-depth compile (validated above)."""
-    monkeypatch.setattr(budget_model, "workspace_bytes", lambda cfg, micro_batch: 0)
+    """Tests of the other terms skip the reduced-depth compiles (validated above)."""
+    monkeypatch.setattr(budget_model, "depth_fit",
+                        lambda cfg, micro_batch: budget_model.DepthFit(0, 0, (2, 3)))
 
 
 def test_static_terms_are_the_sharded_state(no_workspace_compile):

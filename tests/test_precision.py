@@ -297,8 +297,8 @@ def test_precision_setting_is_validated_and_resumable():
     assert "train.precision" in RESUMABLE_CHANGES
 
 
-@pytest.mark.parametrize("curvature", [0.0, 0.03])
-def test_largest_batch_search_is_exact_and_cheap(curvature):
+@pytest.mark.parametrize("curvature,most_compiles", [(0.0, 4), (0.03, 8), (3.0, 16)])
+def test_largest_batch_search_is_exact_and_cheap(curvature, most_compiles):
     """The study's fit search against every batch tried by brute force."""
     def memory(batch: int) -> int:
         return int(5000 + 300 * batch + curvature * batch**2)
@@ -307,7 +307,7 @@ def test_largest_batch_search_is_exact_and_cheap(curvature):
         compiles = []
         got = largest_batch(lambda b: compiles.append(b) or memory(b), limit)
         assert got == max((b for b in range(1, 4097) if memory(b) <= limit), default=0)
-        assert len(compiles) <= (4 if curvature == 0 else 26)
+        assert len(compiles) <= most_compiles
 
 
 def test_fit_cases_are_parsed_and_each_compile_is_reported(capsys):
@@ -321,5 +321,22 @@ def test_fit_cases_are_parsed_and_each_compile_is_reported(capsys):
     precision_study_main(["--preset", "tiny", "--steps", "0", "--fit-seq", "32",
                           "--fit-cases", "selective:fp8", "--device-memory", str(2**-10)])
     out = capsys.readouterr().out
-    assert re.search(r"remat=selective precision=fp8 batch 1: [0-9.]+ GiB", out), out
+    assert re.search(r"remat=selective precision=fp8 batch 1: [0-9.]+ GiB \(\d+ s\)", out), out
     assert re.search(r"remat=selective +precision=fp8 +batch 0\n", out), out
+
+
+def test_fit_cache_resumes_a_search_without_compiling(tmp_path, monkeypatch, capsys):
+    """A second search with the same --fit-cache answers from the file: no compile."""
+    import experiments.precision_study as study
+
+    compiled = []
+    monkeypatch.setattr(study, "compiled_peak", lambda cfg, autotune: compiled.append(
+        cfg.train.batch_size) or (2**20 * (100 + cfg.train.batch_size), None))
+    args = ["--preset", "tiny", "--steps", "0", "--fit-seq", "32", "--fit-cases",
+            "none:bf16", "--device-memory", str(150 / 1024), "--fit-cache",
+            str(tmp_path / "fit.json")]
+    precision_study_main(args)
+    assert sorted(compiled) == [1, 2, 50, 51]  # 100 + b MiB within 150 MiB: b <= 50
+    first = capsys.readouterr().out
+    precision_study_main(args)
+    assert len(compiled) == 4 and "batch 50\n" in capsys.readouterr().out and "batch 50" in first

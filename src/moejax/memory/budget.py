@@ -17,22 +17,21 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   accumulates their gradients alike: twice those bytes on the busiest rank.
 - **EMA**: a parameter copy in pinned host memory (``moejax.memory.ema``): 0 device bytes
   where the backend has ``pinned_host``, else counted on the device.
-- **saved activations** (per micro-batch): exactly what autodiff keeps for backward under
-  the remat policy, read from the traced loss (``saved_residuals`` of the model at the
-  per-device micro-batch): the residuals that are not step inputs. It follows the model's
-  code, so the remat policy, the compute dtype and any FP8 activation storage show up as
-  they are. With ``pipe`` > 1 the executor keeps only stage inputs between ticks and
-  recomputes a stage in its B tick: the largest stage's share of one micro-batch's
-  residuals, plus the stage inputs and gradients its buffers hold at once
-  (``parallel.pipeline.tables``, busiest rank).
-- **backward workspace**: what XLA's temp buffers hold beyond the gradients and the saved
-  activations: the activations of the block being differentiated (recomputed ones under
-  remat), their cotangents, the loss head's logits-sized buffers, and kernel scratch (on
+- **saved activations** (per micro-batch): what XLA keeps for the MoE layers' backward,
+  measured (``depth_fit``): two reduced-depth copies of the step (the dense layers and 2 or
+  3 MoE layers, per-device micro-batch) are compiled alone on this backend, and the growth
+  of their temp beyond the gradients per MoE layer is taken for every MoE layer. It is
+  XLA's own keep under the remat policy, the compute dtype and FP8 storage, net of what XLA
+  fuses away or recomputes (a count of autodiff's residuals, as earlier versions used,
+  overstated the full-remat `small` step on the GPU by 21%). With ``pipe`` > 1 the executor keeps only
+  stage inputs between ticks and recomputes a stage in its B tick: the largest stage's
+  share of one micro-batch's MoE-layer keep, plus the stage inputs and gradients its
+  buffers hold at once (``parallel.pipeline.tables``, busiest rank).
+- **backward workspace**: the rest of the shallower copy's temp beyond its gradients and
+  its MoE layers' keep: the dense layers', MTP's and the loss head's activations, the
+  activations and cotangents of the block being differentiated, and kernel scratch (on
   XLA:CPU the reference grouped GEMM expands (rows, experts, hidden) one-hot products; the
-  GPU kernels need none). It depends on XLA's schedule, not only on shapes, so it is
-  measured: the step of a reduced-depth copy of the model (the dense layers and at most
-  two MoE layers, per-device micro-batch) is compiled alone on this backend and
-  ``temp - gradients - saved activations`` of that copy is taken as depth-independent.
+  GPU kernels need none). Taken as independent of depth.
 - **ZeRO-3 gathered layer**: with ZeRO-3 over ``data`` > 1, XLA all-gathers one layer's
   weights (FP32) inside the layer scan.
 - **communication buffers** of the expert-parallel exchange (``moejax.parallel.expert``)
@@ -57,7 +56,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax._src.ad_checkpoint import saved_residuals  # no public twin in jax 0.10/0.11
 from jax.sharding import AbstractMesh, AxisType
 
 from moejax.config import ConfigError
@@ -72,7 +70,7 @@ from moejax.parallel.sharding import STACKED, param_logical_axes
 from moejax.train.config import ExperimentConfig, apply_overrides
 from moejax.train.optimizer import make_optimizer
 from moejax.train.placement import train_state_shardings
-from moejax.train.step import TrainState, losses, make_train_step, state_initializer
+from moejax.train.step import TrainState, make_train_step, state_initializer
 
 GIB = 2**30
 _UNITS = {"": 1, "B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20,
@@ -168,42 +166,61 @@ def _abstract_mesh(mesh: MeshSpec) -> AbstractMesh:
     return AbstractMesh(mesh.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def saved_activation_bytes(cfg: ExperimentConfig, micro_batch: int) -> int:
-    """Bytes autodiff keeps for backward: the loss's residuals that are not its inputs."""
-    graphdef, init = state_initializer(cfg, pipe=1)  # the model's own (unpadded) stacks
-    abstract = jax.eval_shape(init, jnp.uint32(0))
-    tokens = jax.ShapeDtypeStruct((micro_batch, cfg.train.seq_len + 1), jnp.int32)
-
-    def loss(params: nnx.State, biases: nnx.State, tokens: jax.Array) -> jax.Array:
-        out = nnx.merge(graphdef, params, biases).forward(tokens[:, :-1])
-        main, mtp = losses(out, tokens[:, 1:])
-        return main + cfg.train.mtp_lambda * mtp + out.aux_loss
-
-    residuals = saved_residuals(loss, abstract.params, abstract.biases, tokens)
-    return sum(_nbytes(r.shape, r.dtype) for r, where in residuals
-               if not where.startswith("from the argument"))
+CALIBRATION_MOE_LAYERS = 3  # the deeper reduced copy; the shallower has one MoE layer less
+# XLA's last-resort rematerialization (run when a step exceeds the device) is off when the
+# budget compiles: an over-limit step then compiles in its normal time and reports its true
+# size, instead of minutes of a pass that rarely brings it under the limit.
+MEASURE_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
-def _reduced_depth(cfg: ExperimentConfig, micro_batch: int) -> ExperimentConfig:
-    """The dense layers and at most two MoE layers, at the per-device micro-batch."""
+def _at_depth(cfg: ExperimentConfig, micro_batch: int, moe_layers: int) -> ExperimentConfig:
+    """The dense layers and ``moe_layers`` MoE layers, one device, at the micro-batch."""
     m = cfg.model
-    layers = min(m.num_hidden_layers, m.first_k_dense_replace + 2)
     return dataclasses.replace(
-        cfg, model=m.replace(num_hidden_layers=layers), mesh=MeshSpec(),
-        train=dataclasses.replace(cfg.train, batch_size=micro_batch))
+        cfg, model=m.replace(num_hidden_layers=m.first_k_dense_replace + moe_layers),
+        mesh=MeshSpec(), train=dataclasses.replace(cfg.train, batch_size=micro_batch))
 
 
-def workspace_bytes(cfg: ExperimentConfig, micro_batch: int) -> int:
-    """XLA's temp beyond gradients and saved activations, for the reduced-depth step
-    compiled on this backend (taken as independent of depth)."""
-    reduced = _reduced_depth(cfg, micro_batch)
-    graphdef, init = state_initializer(reduced)
+def _compile_step(cfg: ExperimentConfig, autotune: bool = True) -> Any:
+    """``memory_analysis()`` of the real one-device step, compiled (never run). Without
+    ``autotune`` XLA takes its default GEMM configs instead of timing candidates on the
+    GPU: the same buffers but for GEMM workspace, a faster compile (the fit search's
+    probes)."""
+    graphdef, init = state_initializer(cfg, pipe=1)
     abstract = jax.eval_shape(init, jnp.uint32(0))
-    tokens = jax.ShapeDtypeStruct((micro_batch, reduced.train.seq_len + 1), jnp.int32)
-    temp = make_train_step(graphdef, reduced).lower(abstract, tokens).compile() \
-        .memory_analysis().temp_size_in_bytes
-    grads = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(abstract.params))
-    return max(0, temp - grads - saved_activation_bytes(reduced, micro_batch))
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
+    options = MEASURE_OPTIONS if autotune else {**MEASURE_OPTIONS, "xla_gpu_autotune_level": 0}
+    return make_train_step(graphdef, cfg).lower(abstract, tokens) \
+        .compile(compiler_options=options).memory_analysis()
+
+
+def _temp_beyond_gradients(cfg: ExperimentConfig) -> int:
+    graphdef, init = state_initializer(cfg, pipe=1)
+    params = jax.eval_shape(init, jnp.uint32(0)).params
+    grads = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params))
+    return _compile_step(cfg).temp_size_in_bytes - grads
+
+
+class DepthFit(NamedTuple):
+    """XLA's temp beyond the gradients, as a line in the number of MoE layers, fitted to two
+    reduced-depth copies of the step compiled on this backend."""
+    per_moe_layer: int  # bytes: what XLA keeps for one more MoE layer's backward
+    rest: int  # bytes: the dense layers', MTP's and the loss head's keep, and the workspace
+    depths: tuple[int, int]  # MoE layers of the two copies
+
+
+def depth_fit(cfg: ExperimentConfig, micro_batch: int) -> DepthFit:
+    """Two copies of the step with 2 and 3 MoE layers (fewer if the model has fewer; XLA
+    unrolls a one-trip layer scan, so one layer alone is not typical of the stack). The
+    slope is XLA's own keep per layer: it counts what XLA fuses away or recomputes (an
+    ``exp`` re-derived from its logits, a remat policy's recomputation), which a count of
+    autodiff's residuals overstates, and how XLA packs the stack's buffers at depth."""
+    deep = min(cfg.model.num_moe_layers, CALIBRATION_MOE_LAYERS)
+    shallow = max(deep - 1, 0)
+    beyond = {n: _temp_beyond_gradients(_at_depth(cfg, micro_batch, n))
+              for n in {shallow, deep}}
+    per_layer = max(beyond[deep] - beyond[shallow], 0)
+    return DepthFit(per_layer, max(beyond[shallow] - shallow * per_layer, 0), (shallow, deep))
 
 
 def exchange_bytes(cfg: ExperimentConfig, mesh: MeshSpec, micro_batch: int,
@@ -288,8 +305,8 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     optimizer = _per_device(abstract.opt_state, shardings.opt_state)
     pipeline = (pipeline_terms(cfg, mesh, abstract.params, micro_batch) if mesh.pipe > 1
                 else PipelineTerms(0, 1.0, 0))
-    saved = saved_activation_bytes(cfg, micro_batch)
-    workspace = workspace_bytes(cfg, micro_batch)
+    fit = depth_fit(cfg, micro_batch)
+    saved = fit.per_moe_layer * cfg.model.num_moe_layers
     gathered = (_gathered_layer(abstract.params, shardings.params, mesh.data)
                 if tc.zero_stage == 3 and mesh.data > 1 else 0)
     exchange = exchange_bytes(cfg, mesh, micro_batch, transport)
@@ -310,13 +327,17 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
              "gathered stage rows and their gradients, busiest rank" if pipeline.held
              else "n/a (pipe=1)"),
         Term("saved activations", int(saved * pipeline.stage_share) + pipeline.buffers,
+             f"{cfg.model.num_moe_layers} MoE layers x {fit.per_moe_layer / GIB:.3f} GiB "
+             f"(XLA's temp growth from {fit.depths[0]} to {fit.depths[1]} MoE layers, "
+             f"less that layer's gradients); "
              f"micro-batch {micro_batch} x {tc.seq_len} tokens, remat={tc.remat}, "
              f"precision={tc.precision}, compute {tc.compute_dtype}"
              + (f"; {pipeline.stage_share:.0%} of the layers recomputed per B, "
                 f"{pipeline.buffers / GIB:.3f} GiB of stage inputs in flight"
                 if mesh.pipe > 1 else "")),
-        Term("backward workspace", workspace, "XLA temp of a reduced-depth step beyond "
-                                              "gradients and saved activations"),
+        Term("backward workspace", fit.rest, "XLA temp of the reduced copies beyond "
+                                             "gradients and the MoE layers' keep: dense "
+                                             "layers, MTP, loss head, working set"),
         Term("ZeRO-3 gathered layer", gathered,
              "one layer's weights all-gathered over data" if gathered else "n/a"),
         Term("expert exchange buffers", exchange,
@@ -352,13 +373,10 @@ def check_fits(cfg: ExperimentConfig, device: jax.Device) -> Budget | None:
     return budget
 
 
-def compiled_peak(cfg: ExperimentConfig, micro_batch: int | None = None) -> tuple[int, Any]:
+def compiled_peak(cfg: ExperimentConfig, micro_batch: int | None = None, *,
+                  autotune: bool = True) -> tuple[int, Any]:
     """XLA's own peak (arguments + temp) of the real one-device step, and its analysis."""
     if micro_batch is not None:
         cfg = apply_overrides(cfg, [f"train.batch_size={micro_batch}"])
-    graphdef, init = state_initializer(cfg, pipe=1)
-    abstract = jax.eval_shape(init, jnp.uint32(0))
-    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
-    analysis = make_train_step(graphdef, cfg).lower(abstract, tokens).compile() \
-        .memory_analysis()
+    analysis = _compile_step(cfg, autotune)
     return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes, analysis
