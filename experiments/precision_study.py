@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from moejax import profiling
 from moejax.data.corpus import stdlib_documents
 from moejax.data.tokenizer import ByteTokenizer
@@ -256,8 +257,9 @@ def parse_fit_cases(text: str) -> tuple[FitCase, ...]:
 
 
 class CompileCache:
-    """Compiled step bytes by config, device and jax version, kept in a JSON file so a fit
-    search cut off by a time limit resumes where it stopped (``--fit-cache``)."""
+    """Compiled step bytes by config, GEMM backend, device and jax version, kept in a JSON
+    file so a fit search cut off by a time limit resumes where it stopped
+    (``--fit-cache``). The key does not see the code: start a new file after changing it."""
 
     def __init__(self, path: pathlib.Path | None):
         self.path, self._lock = path, threading.Lock()
@@ -266,7 +268,8 @@ class CompileCache:
 
     @staticmethod
     def key(cfg: ExperimentConfig) -> str:
-        text = f"{cfg!r} {jax.devices()[0].device_kind} jax {jax.__version__}"
+        text = (f"{cfg!r} {pallas_kernels.backend()} {jax.devices()[0].device_kind} "
+                f"jax {jax.__version__}")
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def get(self, cfg: ExperimentConfig) -> int | None:
@@ -336,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
                              "all four at seq 4096)")
     parser.add_argument("--fit-cache", type=pathlib.Path, metavar="FILE",
                         help="JSON of compiled step bytes: read, and written after each "
-                             "compile, so a cut search resumes without recompiling")
+                             "compile, so a cut search resumes without recompiling (start "
+                             "a new file after changing the code)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help=f"comma-separated subset of {PRECISIONS} to train")
     parser.add_argument("--profile", metavar="DIR",
