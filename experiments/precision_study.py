@@ -150,8 +150,6 @@ def largest_batch(bytes_at: Callable[[int], int], limit: int, cap: int = 4096) -
             fitted_in_a_row += 1
         else:
             hi, hi_bytes, fitted_in_a_row = probe, used, 0
-        if hi - lo <= 1:
-            break
         if hi_bytes is None:  # extrapolate the last two that fit
             slope = max((lo_bytes - prev_bytes) / (lo - prev), 1.0)
         else:  # the chord across the bracket

@@ -181,24 +181,24 @@ def _at_depth(cfg: ExperimentConfig, micro_batch: int, moe_layers: int) -> Exper
         mesh=MeshSpec(), train=dataclasses.replace(cfg.train, batch_size=micro_batch))
 
 
-def _compile_step(cfg: ExperimentConfig, autotune: bool = True) -> Any:
-    """``memory_analysis()`` of the real one-device step, compiled (never run). Without
-    ``autotune`` XLA takes its default GEMM configs instead of timing candidates on the
-    GPU: the same buffers but for GEMM workspace, a faster compile (the fit search's
-    probes)."""
+def _compile_step(cfg: ExperimentConfig, autotune: bool = True) -> tuple[Any, TrainState]:
+    """``memory_analysis()`` of the real one-device step, compiled (never run), and the
+    abstract state it was compiled for. Without ``autotune`` XLA takes its default GEMM
+    configs instead of timing candidates on the GPU: the same buffers but for GEMM
+    workspace, a faster compile (the fit search's probes)."""
     graphdef, init = state_initializer(cfg, pipe=1)
     abstract = jax.eval_shape(init, jnp.uint32(0))
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
     options = MEASURE_OPTIONS if autotune else {**MEASURE_OPTIONS, "xla_gpu_autotune_level": 0}
-    return make_train_step(graphdef, cfg).lower(abstract, tokens) \
+    analysis = make_train_step(graphdef, cfg).lower(abstract, tokens) \
         .compile(compiler_options=options).memory_analysis()
+    return analysis, abstract
 
 
 def _temp_beyond_gradients(cfg: ExperimentConfig) -> int:
-    graphdef, init = state_initializer(cfg, pipe=1)
-    params = jax.eval_shape(init, jnp.uint32(0)).params
-    grads = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params))
-    return _compile_step(cfg).temp_size_in_bytes - grads
+    analysis, abstract = _compile_step(cfg)
+    grads = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(abstract.params))
+    return analysis.temp_size_in_bytes - grads
 
 
 class DepthFit(NamedTuple):
@@ -378,5 +378,5 @@ def compiled_peak(cfg: ExperimentConfig, micro_batch: int | None = None, *,
     """XLA's own peak (arguments + temp) of the real one-device step, and its analysis."""
     if micro_batch is not None:
         cfg = apply_overrides(cfg, [f"train.batch_size={micro_batch}"])
-    analysis = _compile_step(cfg, autotune)
+    analysis, _ = _compile_step(cfg, autotune)
     return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes, analysis
