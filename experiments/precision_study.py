@@ -126,39 +126,42 @@ def train(cfg: ExperimentConfig, batches: np.ndarray, profile_dir: str | None = 
     return result
 
 
-def largest_batch(bytes_at: Callable[[int], int], limit: int, cap: int = 4096) -> int:
+def largest_batch(bytes_at: Callable[[int], int], limit: int, cap: int = 4096,
+                  guess: int = 1) -> int:
     """The largest batch <= ``cap`` whose compiled step fits ``limit`` bytes (0: none does).
 
-    The step's memory is nearly linear in batch and a little convex. Each probe is where the
-    line through the two nearest measured points meets ``limit``: through batch 1 and 2
-    first, then through the largest batch known to fit and the smallest known not to, which
-    brackets the answer; on a convex curve the chord's crossing lies at or below the true
-    one, so the bracket closes from below in a few compiles (each is minutes at seq 4096).
+    The step's memory is nearly linear in batch and a little convex. The search starts at
+    ``guess`` (a good one, e.g. the last run's answer, settles it in two compiles: guess and
+    guess + 1), then each probe is where a line through measured points meets ``limit``:
+    through the two largest batches that fit while nothing above is known; through the
+    largest batch known to fit and the smallest known not to, once those bracket the
+    answer (on a convex curve the chord's crossing lies at or below the true one, so the
+    bracket closes from below in a few compiles, each minutes at seq 4096); through the
+    origin while nothing fits yet (the fixed bytes put that crossing below the true one).
     After two fitting probes in a row inside a bracket the probe is at least its midpoint,
     so a strongly curved step still halves the bracket every other compile.
     """
-    lo, lo_bytes = 1, bytes_at(1)
-    if lo_bytes > limit:
-        return 0
-    prev, prev_bytes = lo, lo_bytes
-    hi, hi_bytes = cap + 1, None  # smallest batch known not to fit (cap + 1: assumed)
-    probe, fitted_in_a_row = 2, 0
-    while hi - lo > 1:
-        used = bytes_at(probe)
-        if used <= limit:
-            prev, prev_bytes, lo, lo_bytes = lo, lo_bytes, probe, used
-            fitted_in_a_row += 1
+    seen: dict[int, int] = {}
+    probe, fitted_in_a_row = min(max(guess, 1), cap), 0
+    while True:
+        used = seen[probe] = bytes_at(probe)
+        fitted_in_a_row = fitted_in_a_row + 1 if used <= limit else 0
+        fits = sorted(b for b, n in seen.items() if n <= limit)
+        lo, hi = (fits[-1] if fits else 0), min((b for b in seen if seen[b] > limit),
+                                                default=cap + 1)
+        if hi - lo <= 1:
+            return lo
+        if not fits:
+            probe = hi * limit // seen[hi]
+        elif hi > cap and len(fits) == 1:
+            probe = lo + 1
         else:
-            hi, hi_bytes, fitted_in_a_row = probe, used, 0
-        if hi_bytes is None:  # extrapolate the last two that fit
-            slope = max((lo_bytes - prev_bytes) / (lo - prev), 1.0)
-        else:  # the chord across the bracket
-            slope = max((hi_bytes - lo_bytes) / (hi - lo), 1.0)
-        probe = lo + int((limit - lo_bytes) // slope)
-        if hi_bytes is not None and fitted_in_a_row >= 2:
-            probe = max(probe, (lo + hi) // 2)
+            base = fits[-2] if hi > cap else hi
+            slope = max((seen[base] - seen[lo]) / (base - lo), 1.0)
+            probe = lo + int((limit - seen[lo]) // slope)
+            if hi <= cap and fitted_in_a_row >= 2:
+                probe = max(probe, (lo + hi) // 2)
         probe = min(max(probe, lo + 1), hi - 1)
-    return lo
 
 
 CPU_ASSUMED_GIB = 1.0
@@ -236,21 +239,24 @@ def print_account(results: dict[str, RunResult]) -> None:
             print(f"  {us / 1e3:>9.1f} ms  {category:<13} {name}")
 
 
-FitCase = tuple[str, str]  # (remat policy, precision)
-FIT_CASES: tuple[FitCase, ...] = tuple((remat, precision) for remat in ("none", "selective")
+FitCase = tuple[str, str, int]  # (remat policy, precision, first batch the search compiles)
+FIT_CASES: tuple[FitCase, ...] = tuple((remat, precision, 1) for remat in ("none", "selective")
                                        for precision in PRECISIONS)
 
 
 def parse_fit_cases(text: str) -> tuple[FitCase, ...]:
-    """``none:bf16,selective:fp8`` -> ((none, bf16), (selective, fp8)); a ValueError names
+    """``none:bf16@9,selective:fp8`` -> ((none, bf16, 9), (selective, fp8, 1)): ``@B`` is
+    where that search starts (a right guess settles it in two compiles). A ValueError names
     the bad entry and what is allowed."""
     cases = []
     for entry in text.split(","):
-        remat, _, precision = entry.partition(":")
-        if remat not in REMAT_POLICIES or precision not in PRECISIONS:
-            raise ValueError(f"fit case {entry!r}: want REMAT:PRECISION with REMAT in "
-                             f"{REMAT_POLICIES} and PRECISION in {PRECISIONS}")
-        cases.append((remat, precision))
+        pair, _, guess = entry.partition("@")
+        remat, _, precision = pair.partition(":")
+        if (remat not in REMAT_POLICIES or precision not in PRECISIONS
+                or not (guess or "1").isdigit() or int(guess or 1) < 1):
+            raise ValueError(f"fit case {entry!r}: want REMAT:PRECISION[@BATCH] with REMAT in "
+                             f"{REMAT_POLICIES}, PRECISION in {PRECISIONS} and BATCH >= 1")
+        cases.append((remat, precision, int(guess or 1)))
     return tuple(cases)
 
 
@@ -293,7 +299,7 @@ def print_fit(cfg: ExperimentConfig, seq: int, limit: int,
           f"(compiled memory, nothing run):", flush=True)
 
     def search(case: FitCase) -> int:
-        remat, precision = case
+        remat, precision, guess = case
         run = apply_overrides(cfg, [f"train.remat={remat}", f"train.precision={precision}",
                                     f"train.seq_len={seq}", "train.batch_size=1"])
 
@@ -308,13 +314,13 @@ def print_fit(cfg: ExperimentConfig, seq: int, limit: int,
                   f"{used / GIB:.2f} GiB ({took:.0f} s)", flush=True)
             return used
 
-        return largest_batch(bytes_at, limit)
+        return largest_batch(bytes_at, limit, guess=guess)
 
     found = {}
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         futures = {pool.submit(search, case): case for case in cases}
         for future in concurrent.futures.as_completed(futures):
-            (remat, precision), batch = futures[future], future.result()
+            (remat, precision, _), batch = futures[future], future.result()
             found[remat, precision] = batch
             print(f"  remat={remat:<10} precision={precision:<5} batch {batch}", flush=True)
     base, saver = found.get(("none", "bf16")), found.get(("selective", "fp8"))
@@ -332,9 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit-seq", type=int,
                         help="sequence length of the largest-micro-batch search: default "
                              "4096 or the model's max_position_embeddings if less; 0 skips it")
-    parser.add_argument("--fit-cases", default=",".join(f"{r}:{p}" for r, p in FIT_CASES),
-                        help="REMAT:PRECISION pairs to search (one device call may not hold "
-                             "all four at seq 4096)")
+    parser.add_argument("--fit-cases", default=",".join(f"{r}:{p}" for r, p, _ in FIT_CASES),
+                        help="REMAT:PRECISION[@BATCH] pairs to search, from BATCH (default 1; "
+                             "one device call may not hold all four at seq 4096)")
     parser.add_argument("--fit-cache", type=pathlib.Path, metavar="FILE",
                         help="JSON of compiled step bytes: read, and written after each "
                              "compile, so a cut search resumes without recompiling (start "

@@ -299,21 +299,30 @@ def test_precision_setting_is_validated_and_resumable():
 
 @pytest.mark.parametrize("curvature,most_compiles", [(0.0, 4), (0.03, 8), (3.0, 16)])
 def test_largest_batch_search_is_exact_and_cheap(curvature, most_compiles):
-    """The study's fit search against every batch tried by brute force."""
+    """The study's fit search against every batch tried by brute force, from any guess;
+    from batch 1 within a few compiles, from the right answer in two."""
     def memory(batch: int) -> int:
         return int(5000 + 300 * batch + curvature * batch**2)
 
     for limit in (4000, 5300, 5301, 123_457, 900_000):
-        compiles = []
-        got = largest_batch(lambda b: compiles.append(b) or memory(b), limit)
-        assert got == max((b for b in range(1, 4097) if memory(b) <= limit), default=0)
-        assert len(compiles) <= most_compiles
+        want = max((b for b in range(1, 4097) if memory(b) <= limit), default=0)
+        for guess in (1, 2, 9, 400, 4096, want):
+            compiles = []
+            got = largest_batch(lambda b: compiles.append(b) or memory(b), limit, guess=guess)
+            assert got == want, (guess, limit)
+            if guess == 1:
+                assert len(compiles) <= most_compiles
+            if guess == want > 0:
+                assert compiles == [want, want + 1]
 
 
 def test_fit_cases_are_parsed_and_each_compile_is_reported(capsys):
-    assert parse_fit_cases("none:bf16,selective:fp8") == (("none", "bf16"), ("selective", "fp8"))
+    assert parse_fit_cases("none:bf16,selective:fp8@18") == (("none", "bf16", 1),
+                                                              ("selective", "fp8", 18))
     with pytest.raises(ValueError, match="'selective:fp16'.*PRECISION in"):
         parse_fit_cases("none:bf16,selective:fp16")
+    with pytest.raises(ValueError, match="'none:bf16@0'.*BATCH >= 1"):
+        parse_fit_cases("none:bf16@0")
     with pytest.raises(SystemExit):
         precision_study_main(["--preset", "tiny", "--steps", "0", "--fit-cases", "some:fp8"])
     assert "--fit-cases: fit case 'some:fp8'" in capsys.readouterr().err

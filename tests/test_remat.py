@@ -6,8 +6,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals' data
+
 from moejax.config import ConfigError, get_model_preset
+from moejax.memory.remat import NORM_OUTPUT, recomputable, with_policy
 from moejax.model import DeepseekV3
+from moejax.model.routing import router_logits
 
 CONFIG = get_model_preset("tiny").replace(num_hidden_layers=3)
 
@@ -44,8 +48,65 @@ def test_remat_is_bitwise_identical_to_none(remat):
 
 
 def test_policies_keep_less():
+    """Selective keeps at least the blocks' RMSNorm outputs and SwiGLU products fewer than
+    none (f32 here); full keeps less still."""
     none, selective, full = (_saved_residual_bytes(p) for p in ("none", "selective", "full"))
-    assert full < selective < none
+    c, tokens, f32 = CONFIG, 2 * 64, 4
+    dense, moe = c.first_k_dense_replace, c.num_hidden_layers - c.first_k_dense_replace
+    norms = 2 * c.num_hidden_layers * tokens * c.hidden_size
+    swiglu = (dense * tokens * c.intermediate_size
+              + moe * tokens * c.moe_intermediate_size * (c.num_experts_per_tok
+                                                           + c.n_shared_experts))
+    assert none - selective >= (norms + swiglu) * f32
+    assert full < selective
+
+
+def test_recomputable_op_is_recomputed_under_selective_only():
+    """A value made by a ``recomputable`` op is not kept by ``selective`` (its input is), is
+    kept without a checkpoint, and its gradients are those of the plain function."""
+    def cheap(x):  # stands for a norm: the value selective should not keep
+        return jnp.tanh(x) * 3.0
+
+    def block(x, w, op):
+        y = op(x)
+        return jnp.sum(jnp.sin(y @ w))  # sin's VJP needs y @ w; the matmul's needs y
+
+    x, w = jax.random.normal(jax.random.key(0), (8, 16)), jax.random.normal(
+        jax.random.key(1), (16, 16))
+    op = recomputable(cheap, NORM_OUTPUT)
+    want = jax.grad(lambda x, w: block(x, w, cheap), (0, 1))(x, w)
+    for policy in ("none", "selective"):
+        got = jax.grad(with_policy(lambda x, w: block(x, w, op), policy), (0, 1))(x, w)
+        for g, r in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+
+    def kept(policy):
+        f = with_policy(lambda x, w: block(x, w, op), policy)
+        return [str(src) for _, src in saved_residuals(f, x, w)]
+
+    assert any("custom_vjp_call" in src for src in kept("none"))
+    assert not any("custom_vjp_call" in src for src in kept("selective"))
+
+
+def test_router_logits_keep_the_16_bit_input():
+    """Gradients equal autodiff of the FP32 product; backward keeps x in BF16, not its FP32
+    upcast."""
+    x = jax.random.normal(jax.random.key(2), (2, 8, 32)).astype(jnp.bfloat16)
+    router = jax.random.normal(jax.random.key(3), (32, 16))
+    g = jax.random.normal(jax.random.key(4), (2, 8, 16))
+
+    def reference(x, r):
+        return jnp.dot(x.astype(jnp.float32), r, precision=jax.lax.Precision.HIGHEST)
+
+    got, pullback = jax.vjp(router_logits, x, router)
+    want, ref_pullback = jax.vjp(reference, x, router)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for a, b in zip(pullback(g), ref_pullback(g)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-6, atol=1e-6)
+    kept = [(aval.shape, aval.dtype)
+            for aval, _ in saved_residuals(lambda x: router_logits(x, router), x)]
+    assert (x.shape, jnp.float32) not in kept and (x.shape, jnp.bfloat16) in kept
 
 
 def test_unknown_policy_is_named():

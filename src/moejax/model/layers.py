@@ -47,7 +47,8 @@ def _inverse_rms(x32: jax.Array, eps: float) -> jax.Array:
 def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = (x32 * _inverse_rms(x32, eps)).astype(x.dtype)  # rounded as HF's model does
-    return (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(x.dtype)
+    out = (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(x.dtype)
+    return tag(out, NORM_OUTPUT)  # inside the op: selective remat recomputes it
 
 
 def _rms_norm_fwd(x, weight, eps):
@@ -72,7 +73,7 @@ _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in FP32; the result keeps the input's dtype."""
-    return tag(_rms_norm(x, weight, eps), NORM_OUTPUT)
+    return _rms_norm(x, weight, eps)
 
 
 class RMSNorm(nnx.Module):

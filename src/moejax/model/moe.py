@@ -19,7 +19,7 @@ from moejax.config import ModelConfig
 from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.layers import DenseMLP
-from moejax.model.routing import RoutingStats, balance_loss, route
+from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
 from moejax.parallel import expert as expert_parallel  # module: the two import each other
 from moejax.precision import Precision
 
@@ -35,7 +35,7 @@ def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
     """Single-device routed experts: route, sort by expert, grouped FFN, un-sort, combine."""
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
-    logits = jnp.dot(flat.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+    logits = router_logits(x, router).reshape(batch * seq, -1)
     routing = route(logits, bias, config)
     sent = dispatch(flat, routing.experts, config.n_routed_experts)
     y_sorted = run_experts(sent.tokens, sent.group_sizes, weights, None)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from pallas_kernels.varying import mark_varying, varying_axes
 
 from moejax.config import ModelConfig
 
@@ -30,6 +31,39 @@ class RoutingStats(NamedTuple):
         scalar = jnp.zeros((), jnp.int32)
         return cls(jnp.zeros((num_experts,), jnp.int32), jnp.zeros((), jnp.float32), scalar,
                    scalar)
+
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """(..., E) FP32 logits of x (..., H), any float dtype, against the FP32 router (H, E).
+
+    The gating GEMM runs in FP32 (DeepSeek-V3 keeps it out of low precision). Its VJP keeps
+    x as given (dtype and shape: a reshape of a recomputed norm output would be a value of
+    its own to keep) and upcasts it again in backward; JAX's rule would keep the FP32 copy
+    (twice the bytes of BF16 x, per MoE layer). Under shard_map the router is first typed
+    as varying like x, so autodiff sums its per-device gradients."""
+    return _router_logits(x, mark_varying(router, tuple(varying_axes(x))))
+
+
+@jax.custom_vjp
+def _router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    return jnp.dot(x.astype(jnp.float32), router, precision=_HIGHEST)
+
+
+def _router_logits_fwd(x, router):
+    return _router_logits(x, router), (x, router)
+
+
+def _router_logits_bwd(residuals, g):
+    x, router = residuals
+    dx = jnp.dot(g, router.T, precision=_HIGHEST).astype(x.dtype)
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    return dx, jnp.dot(rows.T, g.reshape(-1, g.shape[-1]), precision=_HIGHEST)
+
+
+_router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
 
 
 class Routing(NamedTuple):

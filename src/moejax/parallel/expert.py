@@ -35,7 +35,7 @@ from pallas_kernels.varying import mark_varying
 from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
-from moejax.model.routing import RoutingStats, balance_loss, route
+from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
 
 EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", EXPERT_AXIS)  # mesh axes the token batch is sharded over
@@ -415,7 +415,7 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
                 devices_per_node: int, run_experts: RunExperts) -> tuple[jax.Array, RoutingStats]:
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
-    logits = jnp.dot(flat.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+    logits = router_logits(x, router).reshape(batch * seq, -1)
     routing = route(logits, bias, config)
     k, experts = config.num_experts_per_tok, config.n_routed_experts
     num_local = experts // ep

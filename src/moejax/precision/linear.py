@@ -27,7 +27,7 @@ def _swiglu_fp32(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 @jax.custom_vjp
 def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return _swiglu_fp32(gate, up).astype(gate.dtype)
+    return tag(_swiglu_fp32(gate, up).astype(gate.dtype), SWIGLU_OUTPUT)  # selective recomputes
 
 
 def _swiglu_fwd(gate, up):
@@ -50,7 +50,7 @@ _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """SiLU-gated linear unit, computed in FP32 and returned in the inputs' dtype; backward
     keeps only the inputs."""
-    return tag(_swiglu(gate, up), SWIGLU_OUTPUT)
+    return _swiglu(gate, up)
 
 
 def _rows(x: jax.Array) -> jax.Array:

@@ -83,7 +83,7 @@ from moejax.model.decoder import DecoderBlock
 from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.rope import rope_tables
-from moejax.model.routing import balance_loss, route
+from moejax.model.routing import balance_loss, route, router_logits
 from moejax.parallel.expert import (
     EXPERT_AXIS,
     Transport,
@@ -126,8 +126,7 @@ def _attention(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, me
     normed = block.post_attention_layernorm(h)
     batch, seq, hidden = normed.shape
     flat = normed.reshape(batch * seq, hidden)
-    logits = jnp.dot(flat.astype(jnp.float32), block.mlp.router[...],
-                     precision=jax.lax.Precision.HIGHEST)
+    logits = router_logits(normed, block.mlp.router[...]).reshape(batch * seq, -1)
     routing = route(logits, bias, ctx.config)
     sent = dispatch(flat, routing.experts, ctx.config.n_routed_experts)
     out = ctx.transport.prepare(sent.tokens, routing.experts.reshape(-1)[sent.order],
