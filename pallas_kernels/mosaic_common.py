@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.triton_gemm import _pad_axis
-from pallas_kernels.varying import mark_varying, varying_axes
+from pallas_kernels.varying import mark_varying, varying_union
 
 WG_ROWS = 64  # rows per consumer warpgroup (the WGMMA M)
 CTA_M = 2 * WG_ROWS  # two consumer warpgroups stacked along M
@@ -85,8 +85,7 @@ def persistent_call(body, out_type, *operands, name: str, interpret: bool = Fals
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params() if interpret else None,
     )
-    return mark_varying(call(*operands),
-                        tuple(sorted(frozenset().union(*map(varying_axes, operands)))))
+    return mark_varying(call(*operands), varying_union(operands))
 
 
 TMA_MULTIPLE = 64  # elements: a 128-byte swizzle row of 2-byte values (32 4-byte, 8 rows)

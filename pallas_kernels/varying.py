@@ -14,6 +14,11 @@ def varying_axes(x: jax.Array) -> frozenset[str]:
         getattr(aval, "vma", ()))
 
 
+def varying_union(tree) -> tuple[str, ...]:
+    """The manual axes any leaf of ``tree`` varies over, sorted."""
+    return tuple(sorted(frozenset().union(*map(varying_axes, jax.tree.leaves(tree)))))
+
+
 def mark_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """``x`` typed as varying over ``axes`` too (those it already varies over are skipped).
     Autodiff transposes this into a sum over the added axes."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, TypeVar
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
-from pallas_kernels.varying import mark_varying, varying_axes
+from pallas_kernels.varying import mark_varying, varying_union
 
 NORM_OUTPUT = "norm_output"
 MLA_UP_PROJECTION = "mla_up_projection"
@@ -85,7 +85,7 @@ def recomputable(fn: F, name: str) -> F:
     op.defvjp(op_fwd, op_bwd)
 
     def call(*args):
-        axes = tuple(sorted(frozenset().union(*map(varying_axes, jax.tree.leaves(args)))))
+        axes = varying_union(args)
         return op(*jax.tree.map(lambda a: mark_varying(a, axes), args))
 
     return call  # type: ignore[return-value]

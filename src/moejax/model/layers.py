@@ -44,7 +44,8 @@ def _inverse_rms(x32: jax.Array, eps: float) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in FP32; the result keeps the input's dtype."""
     x32 = x.astype(jnp.float32)
     normed = (x32 * _inverse_rms(x32, eps)).astype(x.dtype)  # rounded as HF's model does
     out = (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(x.dtype)
@@ -52,7 +53,7 @@ def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def _rms_norm_fwd(x, weight, eps):
-    return _rms_norm(x, weight, eps), (x, weight)
+    return rms_norm(x, weight, eps), (x, weight)
 
 
 def _rms_norm_bwd(eps, residuals, g):
@@ -68,12 +69,7 @@ def _rms_norm_bwd(eps, residuals, g):
     return dx.astype(x.dtype), dweight.astype(weight.dtype)
 
 
-_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in FP32; the result keeps the input's dtype."""
-    return _rms_norm(x, weight, eps)
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from pallas_kernels.varying import mark_varying, varying_axes
+from pallas_kernels.varying import mark_varying, varying_union
 
 from moejax.config import ModelConfig
 
@@ -44,7 +44,7 @@ def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
     its own to keep) and upcasts it again in backward; JAX's rule would keep the FP32 copy
     (twice the bytes of BF16 x, per MoE layer). Under shard_map the router is first typed
     as varying like x, so autodiff sums its per-device gradients."""
-    return _router_logits(x, mark_varying(router, tuple(varying_axes(x))))
+    return _router_logits(x, mark_varying(router, varying_union(x)))
 
 
 @jax.custom_vjp

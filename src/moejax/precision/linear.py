@@ -26,12 +26,14 @@ def _swiglu_fp32(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 @jax.custom_vjp
-def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SiLU-gated linear unit, computed in FP32 and returned in the inputs' dtype; backward
+    keeps only the inputs."""
     return tag(_swiglu_fp32(gate, up).astype(gate.dtype), SWIGLU_OUTPUT)  # selective recomputes
 
 
 def _swiglu_fwd(gate, up):
-    return _swiglu(gate, up), (gate, up)
+    return swiglu(gate, up), (gate, up)
 
 
 def _swiglu_bwd(residuals, g):
@@ -44,13 +46,7 @@ def _swiglu_bwd(residuals, g):
     return dgate.astype(gate.dtype), (g32 * gate32 * sig).astype(up.dtype)
 
 
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """SiLU-gated linear unit, computed in FP32 and returned in the inputs' dtype; backward
-    keeps only the inputs."""
-    return _swiglu(gate, up)
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def _rows(x: jax.Array) -> jax.Array:
