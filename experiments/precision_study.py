@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     tc = cfg.train
     print(f"preset {args.preset}: batch {tc.batch_size} x seq {tc.seq_len}, {args.steps} steps, "
           f"device {jax.devices()[0].device_kind}, remat {tc.remat}, "
-          f"attention {attention_implementation(tc.attention)}", flush=True)
+          f"attention {attention_implementation(tc)}", flush=True)
     if args.steps:
         batches = text_batches(tc.steps, tc.batch_size, tc.seq_len, tc.seed)
         results = {p: train(apply_overrides(cfg, [f"train.precision={p}"]), batches,

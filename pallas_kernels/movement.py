@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from pallas_kernels import movement_reference, triton_movement
 from pallas_kernels.backend import backend
 from pallas_kernels.group_schedule import AlignedLayout
+from pallas_kernels.quantize import dequantize, quantize_1x128
 
 # Ops whose XLA compile of the reference already runs at the kernel's speed on a GPU, so
 # the GPU backends use the reference for them: combine's forward (mostly reads; XLA
@@ -67,13 +68,16 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _permute_rows(x: jax.Array, permutation: jax.Array, k: int) -> jax.Array:
+def permute_rows(x: jax.Array, permutation: jax.Array, k: int) -> jax.Array:
+    """Row j of the result is x[permutation[j] // k]: the k copies of each row of x (T, H)
+    in ``sort_by_expert``'s order, in x's dtype (dispatch's BF16 pass, without the sort).
+    Backward sums each row's k copies of the gradient back (a unit-weight combine)."""
     shapes = ((x.shape, x.dtype), ((permutation.shape[0], x.shape[1]), x.dtype))
     return _impl("permute", *shapes)(x, permutation, k, quantize=False)[0]
 
 
 def _permute_rows_fwd(x, permutation, k):
-    return _permute_rows(x, permutation, k), (permutation, x.shape[0])
+    return permute_rows(x, permutation, k), (permutation, x.shape[0])
 
 
 def _permute_rows_bwd(k, residuals, ct):
@@ -82,7 +86,7 @@ def _permute_rows_bwd(k, residuals, ct):
     return dx, None
 
 
-_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -120,26 +124,34 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int, *,
     if quantize:
         tokens, scales = _permute_quantized(x, permutation, k)
     else:
-        tokens, scales = _permute_rows(x, permutation, k), None
+        tokens, scales = permute_rows(x, permutation, k), None
     return Dispatched(tokens, scales, group_sizes, permutation)
 
 
-@jax.custom_vjp
-def combine(y: jax.Array, permutation: jax.Array, weights: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def combine(y: jax.Array, permutation: jax.Array, weights: jax.Array,
+            keep_fp8: bool = False) -> jax.Array:
     """(T, H) = sum over k of weights[t, s] * y[row of copy (t, s)], summed in FP32, in y's
-    dtype; y (T*k, H) holds the expert outputs in dispatch's sorted order."""
+    dtype; y (T*k, H) holds the expert outputs in dispatch's sorted order.
+
+    Backward needs y only for the router weights' gradient (one dot per copy). With
+    ``keep_fp8`` it keeps y's ``quantize_1x128`` copy (half the bytes of BF16; the FP8
+    recipe's activation storage) and dequantizes it there: the weights' gradient then
+    carries FP8's rounding of y; y's own gradient does not depend on y."""
     if y.ndim != 2 or weights.ndim != 2 or not y.shape[0] == weights.size == permutation.shape[0]:
         raise ValueError(f"combine wants y (T*k, H), permutation (T*k,), weights (T, k); got "
                          f"{y.shape}, {permutation.shape}, {weights.shape}")
     return _impl("combine", (y.shape, y.dtype))(y, permutation, weights)
 
 
-def _combine_fwd(y, permutation, weights):
-    return combine(y, permutation, weights), (y, permutation, weights)
+def _combine_fwd(y, permutation, weights, keep_fp8):
+    kept = quantize_1x128(y) if keep_fp8 else y
+    return combine(y, permutation, weights, keep_fp8), (kept, permutation, weights)
 
 
-def _combine_bwd(residuals, g):
-    y, permutation, weights = residuals
+def _combine_bwd(keep_fp8, residuals, g):
+    kept, permutation, weights = residuals
+    y = dequantize(*kept, row_tile=1).astype(g.dtype) if keep_fp8 else kept
     dy, dweights = _impl("combine_backward", (y.shape, y.dtype))(g, y, permutation, weights)
     return dy, None, dweights
 

@@ -26,7 +26,6 @@ from moejax.parallel.pipeline.tables import tick_tables
 from moejax.parallel.pipeline.stages import StagePlan
 from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks, stack_lengths
 from moejax.parallel.sharding import batch_sharding, state_shardings
-from moejax.train.step import losses
 
 MTP_LAMBDA = 0.3
 BATCH, SEQ = 16, 8
@@ -52,10 +51,9 @@ def problem():
     tokens = jax.random.randint(jax.random.key(2), (BATCH, SEQ + 1), 0, config.vocab_size)
 
     def loss_fn(params):
-        out = nnx.merge(graphdef, params, biases).forward(tokens[:, :-1])
-        main, mtp = losses(out, tokens[:, 1:])
-        return main + MTP_LAMBDA * mtp + out.aux_loss, (main, mtp, out.aux_loss,
-                                                        out.expert_counts)
+        out = nnx.merge(graphdef, params, biases).losses(tokens[:, :-1], tokens[:, 1:])
+        return out.main + MTP_LAMBDA * out.mtp + out.aux_loss, (out.main, out.mtp,
+                                                                out.aux_loss, out.expert_counts)
 
     (total, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
     return config, graphdef, params, biases, tokens, (total, *aux), grads
@@ -105,9 +103,8 @@ def test_executor_with_fp8_tokens_matches_the_sharded_step(problem):
     options = ExpertParallelOptions(token_format="fp8")
 
     def loss_fn(params):
-        out = nnx.merge(graphdef, params, biases).forward(tokens[:, :-1])
-        main, mtp = losses(out, tokens[:, 1:])
-        return main + MTP_LAMBDA * mtp + out.aux_loss
+        out = nnx.merge(graphdef, params, biases).losses(tokens[:, :-1], tokens[:, 1:])
+        return out.main + MTP_LAMBDA * out.mtp + out.aux_loss
 
     with jax.set_mesh(build_mesh(spec)), expert_parallel_options(options):
         assert any(executor.runs_pieces(w) for w in executor.programs[0])

@@ -12,6 +12,7 @@ from moejax.config import ConfigError, get_model_preset
 from moejax.memory.remat import NORM_OUTPUT, recomputable, with_policy
 from moejax.model import DeepseekV3
 from moejax.model.routing import router_logits
+from moejax.precision import Precision
 
 CONFIG = get_model_preset("tiny").replace(num_hidden_layers=3)
 
@@ -28,14 +29,29 @@ def _loss_and_grads(remat):
     return value, nnx.to_flat_state(grads)
 
 
-def _saved_residual_bytes(remat):
-    model = DeepseekV3(CONFIG, rngs=nnx.Rngs(4), dtype=jnp.float32, remat=remat)
+def _saved_residuals(remat, precision=Precision.BF16) -> list[jax.Array]:
+    model = DeepseekV3(CONFIG, rngs=nnx.Rngs(4), dtype=jnp.float32, remat=remat,
+                       precision=precision)
     ids = jnp.zeros((2, 64), jnp.int32)
     graphdef, params = nnx.split(model)
     f = lambda p: jnp.sum(nnx.merge(graphdef, p)(ids))  # noqa: E731
-    residuals = jax.vjp(f, params)[1]
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(residuals)
-               if hasattr(x, "dtype"))
+    return [x for x in jax.tree.leaves(jax.vjp(f, params)[1]) if hasattr(x, "dtype")]
+
+
+def _saved_residual_bytes(remat):
+    return sum(x.size * x.dtype.itemsize for x in _saved_residuals(remat))
+
+
+@pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP8])
+def test_selective_regathers_the_dispatched_copies(precision):
+    """The T*k expert-sorted token copies (16-bit, or FP8 with scales) are kept without a
+    checkpoint and not under selective, which keeps the tokens and the order instead. The
+    expert outputs, of the same shape, are combine's residual under both."""
+    copies = 2 * 64 * CONFIG.num_experts_per_tok
+    def kept(remat):
+        return [x.shape for x in _saved_residuals(remat, precision)
+                if x.shape[-2:] == (copies, CONFIG.hidden_size)]
+    assert len(kept("none")) == 2 and len(kept("selective")) == 1
 
 
 @pytest.mark.parametrize("remat", ["selective", "full"])

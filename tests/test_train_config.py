@@ -55,4 +55,25 @@ def test_cudnn_attention_is_refused_off_the_gpu():
     with pytest.raises(ConfigError, match=r"train.attention='cudnn': needs a CUDA GPU; this "
                                           r"process runs on cpu"):
         build_model(cfg, jax.random.key(0))
-    assert attention_implementation(get_experiment_preset("tiny").train.attention) == "xla"
+    assert attention_implementation(get_experiment_preset("tiny").train) == "xla"
+
+
+def test_cudnn_attention_is_refused_in_float32(monkeypatch):
+    """cuDNN's fused attention takes 16-bit inputs only: a float32 run asking for it is
+    refused by name, and "auto" picks XLA's for it even on a Hopper GPU."""
+    import jax
+
+    from moejax.train import step
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(step, "cuda_compute_capability", lambda: 9.0)
+    tiny = get_experiment_preset("tiny")
+    f32 = apply_overrides(tiny, ["train.compute_dtype=float32", "train.attention=cudnn"])
+    with pytest.raises(ConfigError, match=r"train.attention='cudnn': takes bfloat16 or "
+                                          r"float16 inputs, and train.compute_dtype is float32"):
+        step.attention_implementation(f32.train)
+    auto = apply_overrides(tiny, ["train.attention=auto"])
+    assert step.attention_implementation(
+        apply_overrides(auto, ["train.compute_dtype=float32"]).train) == "xla"
+    assert step.attention_implementation(
+        apply_overrides(auto, ["train.compute_dtype=bfloat16"]).train) == "cudnn"

@@ -2,8 +2,9 @@
 
 - ``none``: keep everything (no ``jax.checkpoint``).
 - ``selective``: recompute RMSNorm outputs, the MLA up-projections (q, k, v rebuilt from
-  the latents) and the SwiGLU products; keep the rest (matmul outputs that are expensive
-  to redo, the attention core's own residuals, the dispatched tokens).
+  the latents), the SwiGLU products and the expert-sorted token copies (and their FP8
+  copy) on one device; keep the rest (matmul outputs that are expensive to redo, the
+  attention core's own residuals, tokens received over an expert-parallel exchange).
 - ``full``: keep only each block's input; recompute the whole block in backward.
 
 How ``selective`` finds what to recompute: a remat policy is asked, equation by equation,
@@ -27,7 +28,9 @@ from pallas_kernels.varying import mark_varying, varying_union
 NORM_OUTPUT = "norm_output"
 MLA_UP_PROJECTION = "mla_up_projection"
 SWIGLU_OUTPUT = "swiglu_output"
-RECOMPUTED_BY_SELECTIVE = frozenset((NORM_OUTPUT, MLA_UP_PROJECTION, SWIGLU_OUTPUT))
+DISPATCHED_TOKENS = "dispatched_tokens"
+RECOMPUTED_BY_SELECTIVE = frozenset((NORM_OUTPUT, MLA_UP_PROJECTION, SWIGLU_OUTPUT,
+                                     DISPATCHED_TOKENS))
 POLICIES = ("none", "selective", "full")
 
 F = TypeVar("F", bound=Callable)

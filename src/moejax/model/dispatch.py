@@ -4,16 +4,24 @@ Every (token, slot) copy is kept: the sorted buffer has exactly T*k rows, so no 
 limit exists and no token is dropped. Both passes are `pallas_kernels`' fused movement ops
 (one read and one write of the data each, custom VJPs; Triton kernels on GPU, the pure-JAX
 reference on CPU); this module keeps the model's names for them.
+
+The sorted copies (and their FP8 quantization, where asked) are one recomputable op: they
+are x's rows gathered k times, so ``selective`` keeps x (itself a recomputed norm output)
+and the order, and re-gathers the copies in backward instead of keeping k copies of every
+token for the expert GEMMs' weight gradients.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import pallas_kernels
 
-# combine(y_sorted, order, weights) -> (T, H): un-sort, weight, sum over k in FP32.
+from moejax.memory.remat import DISPATCHED_TOKENS, recomputable
+
+# combine(y_sorted, order, weights[, keep_fp8]) -> (T, H): un-sort, weight, sum over k in FP32.
 combine = pallas_kernels.combine
 
 
@@ -21,9 +29,27 @@ class Dispatched(NamedTuple):
     tokens: jax.Array  # (T*k, H) token copies sorted by expert
     group_sizes: jax.Array  # (E,) int32 rows per expert
     order: jax.Array  # (T*k,) sorted row j holds flat copy order[j] (= token*k + slot)
+    tokens_fp8: Any = None  # quantize_1x128(tokens) where asked, else None
 
 
-def dispatch(x: jax.Array, experts: jax.Array, num_experts: int) -> Dispatched:
-    """Sorts the k copies of each row of x (T, H) by their expert in ``experts`` (T, k)."""
-    sent = pallas_kernels.dispatch(x, experts, num_experts, quantize=False)
-    return Dispatched(sent.tokens, sent.group_sizes, sent.permutation)
+def _copies(x: jax.Array, order: jax.Array, k: int, quantize: bool) -> tuple[jax.Array, Any]:
+    tokens = pallas_kernels.permute_rows(x.reshape(-1, x.shape[-1]), order, k)
+    # The FP8 copy is what the FP8 expert GEMMs keep; gradients reach x through tokens.
+    return tokens, (pallas_kernels.quantize_1x128(jax.lax.stop_gradient(tokens)) if quantize
+                    else None)
+
+
+def dispatch(x: jax.Array, experts: jax.Array, num_experts: int,
+             quantize: bool = False) -> Dispatched:
+    """Sorts the k copies of each token of x (..., H) (T tokens, flattened in order) by
+    their expert in ``experts`` (T, k); ``quantize`` also returns the copies' 1x128 FP8
+    quantization (for FP8 expert GEMMs). x is taken unflattened so that the op's kept input
+    is x itself, not a reshape of it."""
+    if x.ndim < 2 or experts.ndim != 2 or experts.shape[0] != x.size // x.shape[-1]:
+        raise ValueError(f"dispatch wants x (..., H) with T tokens and experts (T, k); got "
+                         f"{x.shape}, {experts.shape}")
+    k = experts.shape[1]
+    order, group_sizes = pallas_kernels.sort_by_expert(experts, num_experts)
+    copies = recomputable(functools.partial(_copies, k=k, quantize=quantize), DISPATCHED_TOKENS)
+    tokens, tokens_fp8 = copies(x, order)
+    return Dispatched(tokens, group_sizes, order, tokens_fp8)

@@ -31,15 +31,18 @@ class MoEOutput(NamedTuple):
 
 def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
                          weights: ExpertWeights, config: ModelConfig,
-                         run_experts: expert_parallel.RunExperts = grouped_swiglu) -> MoEOutput:
-    """Single-device routed experts: route, sort by expert, grouped FFN, un-sort, combine."""
+                         run_experts: expert_parallel.RunExperts = grouped_swiglu,
+                         precision: Precision = Precision.BF16) -> MoEOutput:
+    """Single-device routed experts: route, sort by expert, grouped FFN, un-sort, combine
+    (which keeps the expert outputs for backward in FP8 when ``precision`` is FP8)."""
     batch, seq, hidden = x.shape
-    flat = x.reshape(batch * seq, hidden)
     logits = router_logits(x, router).reshape(batch * seq, -1)
     routing = route(logits, bias, config)
-    sent = dispatch(flat, routing.experts, config.n_routed_experts)
-    y_sorted = run_experts(sent.tokens, sent.group_sizes, weights, None)
-    y = combine(y_sorted, sent.order, routing.weights).reshape(batch, seq, hidden)
+    sent = dispatch(x, routing.experts, config.n_routed_experts,
+                    quantize=precision is Precision.FP8)
+    y_sorted = run_experts(sent.tokens, sent.group_sizes, weights, sent.tokens_fp8)
+    y = combine(y_sorted, sent.order, routing.weights, precision is Precision.FP8
+                ).reshape(batch, seq, hidden)
     balance = balance_loss(routing, batch, config)
     no_copies = jnp.zeros((), jnp.int32)
     return MoEOutput(y, RoutingStats(sent.group_sizes, balance, no_copies, no_copies))
@@ -68,7 +71,8 @@ class MoE(nnx.Module):
         routed = (expert_parallel.expert_parallel_moe if expert_parallel.expert_axis_size() > 1
                   else routed_experts_local)
         run_experts = functools.partial(grouped_swiglu, precision=self.precision)
-        y, stats = routed(x, self.router[...], bias, weights, self.config, run_experts)
+        y, stats = routed(x, self.router[...], bias, weights, self.config, run_experts,
+                          self.precision)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return MoEOutput(y, stats)

@@ -17,6 +17,7 @@ from flax import nnx
 from moejax.config import ConfigError, ModelConfig
 from moejax.memory.remat import POLICIES, with_policy
 from moejax.model.decoder import BlockOutput, DecoderBlock
+from moejax.model.head_loss import head_cross_entropy
 from moejax.model.layers import Linear, RMSNorm
 from moejax.model.rope import rope_tables
 from moejax.model.routing import RoutingStats
@@ -34,6 +35,27 @@ class ModelOutput(NamedTuple):
     aux_loss: jax.Array  # sequence-wise balance loss times config.aux_loss_alpha
     dropped_tokens: jax.Array  # int32 token copies dropped by an expert capacity limit
     cross_node_tokens: jax.Array  # int32 token copies sent to an expert on another node
+
+
+class ModelLosses(NamedTuple):
+    """What training needs from a forward pass: the losses and the routing totals of
+    ``ModelOutput`` (same meaning), without any logits."""
+    main: jax.Array  # mean next-token cross-entropy, nats
+    mtp: jax.Array  # MTP cross-entropy averaged over depths (0 without MTP)
+    expert_counts: jax.Array
+    aux_loss: jax.Array
+    dropped_tokens: jax.Array
+    cross_node_tokens: jax.Array
+
+
+class _Trunk(NamedTuple):
+    """The forward pass up to the output head: what the heads read, and routing totals."""
+    normed: jax.Array  # (B, S, H) final-normed hidden states
+    mtp_normed: tuple[jax.Array, ...]  # depth d: (B, S-d, H)
+    expert_counts: jax.Array
+    aux_loss: jax.Array
+    dropped_tokens: jax.Array
+    cross_node_tokens: jax.Array
 
 
 def _stacked_blocks(count: int, make: Callable[[nnx.Rngs], DecoderBlock],
@@ -125,10 +147,18 @@ class DeepseekV3(nnx.Module):
     def embed(self, input_ids: jax.Array) -> jax.Array:
         return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
 
+    def head_kernel(self) -> jax.Array:
+        """The shared output head's (H, V) weights (the embedding's transpose when tied)."""
+        return self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
+
     def head(self, h: jax.Array) -> jax.Array:
         """The shared output head on already-normalised h: FP32 logits."""
-        kernel = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
-        return dense_matmul(h, kernel, jnp.float32)
+        return dense_matmul(h, self.head_kernel(), jnp.float32)
+
+    def head_loss(self, h: jax.Array, labels: jax.Array) -> jax.Array:
+        """Mean cross-entropy of the head on already-normalised h (B, S, H) against labels
+        (B, S), with the logits never whole (``head_loss.head_cross_entropy``)."""
+        return head_cross_entropy(h, self.head_kernel(), labels)
 
     def mtp_depths(self, h: jax.Array, input_ids: jax.Array, cos: jax.Array, sin: jax.Array
                    ) -> Iterator[tuple[int, jax.Array, RoutingStats | None]]:
@@ -145,7 +175,7 @@ class DeepseekV3(nnx.Module):
                               cos[:, :seq - depth], sin[:, :seq - depth], bias)
             yield depth, module.norm(h), None if bias is None else stats
 
-    def forward(self, input_ids: jax.Array) -> ModelOutput:
+    def _trunk(self, input_ids: jax.Array) -> _Trunk:
         c = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {input_ids.shape}")
@@ -161,20 +191,35 @@ class DeepseekV3(nnx.Module):
             h, stats = run_stack(self.moe_blocks, h, cos, sin, biases[:c.num_moe_layers],
                                   self.remat)
             rows.append(stats)
-        logits = self.head(self.norm(h))
 
-        mtp_logits = []
+        mtp_normed = []
         for _, normed, stats in self.mtp_depths(h, input_ids, cos, sin):
-            mtp_logits.append(self.head(normed))
+            mtp_normed.append(normed)
             if stats is not None:
                 rows.append(jax.tree.map(lambda x: x[None], stats))
         if not rows:
             rows.append(jax.tree.map(lambda x: x[None][:0],
                                      RoutingStats.zeros(c.n_routed_experts)))
         stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *rows)
-        return ModelOutput(logits, tuple(mtp_logits), stats.counts,
-                           c.aux_loss_alpha * stats.balance_loss.sum(), stats.dropped.sum(),
-                           stats.cross_node.sum())
+        return _Trunk(self.norm(h), tuple(mtp_normed), stats.counts,
+                      c.aux_loss_alpha * stats.balance_loss.sum(), stats.dropped.sum(),
+                      stats.cross_node.sum())
+
+    def forward(self, input_ids: jax.Array) -> ModelOutput:
+        """Logits of the main head and of every MTP depth, and the routing totals."""
+        t = self._trunk(input_ids)
+        return ModelOutput(self.head(t.normed), tuple(map(self.head, t.mtp_normed)),
+                           t.expert_counts, t.aux_loss, t.dropped_tokens, t.cross_node_tokens)
+
+    def losses(self, input_ids: jax.Array, labels: jax.Array) -> ModelLosses:
+        """The main and MTP cross-entropies against ``labels`` (B, S) (depth d targets
+        ``labels[:, d:]``), through the fused head: what the train step differentiates."""
+        t = self._trunk(input_ids)
+        mtp = [self.head_loss(normed, labels[:, d:])
+               for d, normed in enumerate(t.mtp_normed, start=1)]
+        return ModelLosses(self.head_loss(t.normed, labels),
+                           jnp.mean(jnp.stack(mtp)) if mtp else jnp.zeros((), jnp.float32),
+                           t.expert_counts, t.aux_loss, t.dropped_tokens, t.cross_node_tokens)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         return self.forward(input_ids).logits

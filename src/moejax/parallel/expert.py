@@ -36,6 +36,7 @@ from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import combine, dispatch
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
+from moejax.precision import Precision
 
 EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", EXPERT_AXIS)  # mesh axes the token batch is sharded over
@@ -412,7 +413,8 @@ def cross_node_copies(copies: jax.Array, num_local: int, mesh_shape: dict[str, i
 def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: ExpertWeights, *,
                 config: ModelConfig, ep: int, batch_axes: tuple[str, ...],
                 mesh_shape: dict[str, int], options: ExpertParallelOptions,
-                devices_per_node: int, run_experts: RunExperts) -> tuple[jax.Array, RoutingStats]:
+                devices_per_node: int, run_experts: RunExperts, precision: Precision
+                ) -> tuple[jax.Array, RoutingStats]:
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
     logits = router_logits(x, router).reshape(batch * seq, -1)
@@ -434,7 +436,8 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
     y_rows = transport.send_back(
         run_experts(received.tokens, received.group_sizes, weights, quantized),
         received.context)
-    y = combine(y_rows, order, routing.weights).reshape(batch, seq, hidden)
+    y = combine(y_rows, order, routing.weights, precision is Precision.FP8
+                ).reshape(batch, seq, hidden)
 
     balance = balance_loss(routing, batch, config)
     cross_node = cross_node_copies(copies, num_local, mesh_shape, devices_per_node)
@@ -461,13 +464,16 @@ def expert_layout(config: ModelConfig, batch: int) -> tuple[int, tuple[str, ...]
 
 def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
                         weights: ExpertWeights, config: ModelConfig,
-                        run_experts: RunExperts = grouped_swiglu) -> tuple[jax.Array, RoutingStats]:
+                        run_experts: RunExperts = grouped_swiglu,
+                        precision: Precision = Precision.BF16
+                        ) -> tuple[jax.Array, RoutingStats]:
     """The routed part of a MoE layer with experts sharded over the mesh's ``expert`` axis.
 
     ``run_experts(rows, group_sizes, weights, rows_fp8)`` maps the received rows (grouped by
     local expert) to outputs; ``rows_fp8`` is their FP8 quantization as it travelled with
     FP8 tokens (the FP8 expert GEMMs take it without re-rounding), else None;
-    benchmarks pass an identity to time the token exchange alone.
+    benchmarks pass an identity to time the token exchange alone. ``precision``: FP8 keeps
+    the returned expert outputs for combine's backward in FP8 (``pallas_kernels.combine``).
     """
     mesh = jax.sharding.get_abstract_mesh()
     ep, batch_axes = expert_layout(config, x.shape[0])
@@ -475,7 +481,7 @@ def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
     body = functools.partial(
         _shard_body, config=config, ep=ep, batch_axes=batch_axes, mesh_shape=dict(mesh.shape),
         options=options, devices_per_node=options.devices_per_node or jax.local_device_count(),
-        run_experts=run_experts)
+        run_experts=run_experts, precision=precision)
     tokens = P(batch_axes)
     experts = ExpertWeights(P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS))
     return jax.shard_map(body, in_specs=(tokens, P(), P(), experts),

@@ -151,7 +151,7 @@ class Trainer:
                  f"process(es); ZeRO-{tc.zero_stage}; expert transport "
                  f"{cfg.expert_parallel.resolved_transport() if cfg.mesh.expert > 1 else 'none'}"
                  f" (tokens travel as {cfg.expert_parallel.token_format}); GEMMs "
-                 f"{tc.precision}, attention core {attention_implementation(tc.attention)}"
+                 f"{tc.precision}, attention core {attention_implementation(tc)}"
                  + (f"; pipeline {tc.pipeline_schedule} over {cfg.num_microbatches} "
                     "micro-batches" if cfg.mesh.pipe > 1 else ""))
         train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))

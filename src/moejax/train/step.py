@@ -18,11 +18,11 @@ from flax import nnx
 from pallas_kernels.mosaic_common import cuda_compute_capability
 
 from moejax.config import fail
-from moejax.model import DeepseekV3, ModelOutput, RouterBias
+from moejax.model import DeepseekV3, RouterBias
 from moejax.model.routing import update_router_bias
 from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks
 from moejax.precision import Precision
-from moejax.train.config import ExperimentConfig
+from moejax.train.config import ExperimentConfig, TrainConfig
 from moejax.train.optimizer import learning_rate, make_optimizer
 
 
@@ -34,17 +34,22 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32 key data, split once per step
 
 
-def attention_implementation(choice: str) -> str:
+def attention_implementation(train: TrainConfig) -> str:
     """``train.attention`` resolved for this process: "auto" is cuDNN's fused attention on a
     CUDA GPU of compute capability >= 9.0 (Hopper and later: cuDNN's flash kernels take
     head dims up to 256 there, 128 before, and MLA's padded q/k/v width is 192 on
-    DeepSeek-V3) and XLA's composition elsewhere; "cudnn" off a GPU is refused."""
+    DeepSeek-V3) with a 16-bit compute dtype (its only inputs), and XLA's composition
+    elsewhere; "cudnn" off a GPU or in float32 is refused."""
+    choice, sixteen_bit = train.attention, jnp.dtype(train.compute_dtype).itemsize == 2
     if choice == "cudnn" and jax.default_backend() != "gpu":
         fail("train.attention", "cudnn", f"needs a CUDA GPU; this process runs on "
              f"{jax.default_backend()}: use 'xla' or 'auto'")
+    if choice == "cudnn" and not sixteen_bit:
+        fail("train.attention", "cudnn", f"takes bfloat16 or float16 inputs, and "
+             f"train.compute_dtype is {train.compute_dtype}: use 'xla' or 'auto'")
     if choice == "auto":
         capability = cuda_compute_capability()
-        return "cudnn" if capability is not None and capability >= 9.0 else "xla"
+        return "cudnn" if sixteen_bit and capability is not None and capability >= 9.0 else "xla"
     return choice
 
 
@@ -52,7 +57,7 @@ def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
     return DeepseekV3(cfg.model, rngs=nnx.Rngs(params=key),
                       dtype=jnp.dtype(cfg.train.compute_dtype), param_dtype=jnp.float32,
                       remat=cfg.train.remat, precision=Precision(cfg.train.precision),
-                      attention=attention_implementation(cfg.train.attention))
+                      attention=attention_implementation(cfg.train))
 
 
 def state_initializer(cfg: ExperimentConfig, pipe: int | None = None
@@ -75,19 +80,6 @@ def state_initializer(cfg: ExperimentConfig, pipe: int | None = None
     return graphdef, init
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in nats, computed in FP32."""
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), labels).mean()
-
-
-def losses(out: ModelOutput, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Main loss and the MTP loss averaged over depths (depth d targets ``labels[:, d:]``)."""
-    mtp = [cross_entropy(lg, labels[:, d:]) for d, lg in enumerate(out.mtp_logits, start=1)]
-    return (cross_entropy(out.logits, labels),
-            jnp.mean(jnp.stack(mtp)) if mtp else jnp.zeros((), jnp.float32))
-
-
 def load_balance(counts: jax.Array) -> dict[str, jax.Array]:
     """Max over mean tokens per expert: per MoE layer, then averaged and worst over layers."""
     counts = counts.astype(jnp.float32)
@@ -96,7 +88,7 @@ def load_balance(counts: jax.Array) -> dict[str, jax.Array]:
 
 
 # (params, biases, tokens) -> ((total, (main, mtp, out)), grads); ``out`` needs the
-# ModelOutput fields expert_counts, aux_loss, dropped_tokens and cross_node_tokens.
+# ModelLosses fields expert_counts, aux_loss, dropped_tokens and cross_node_tokens.
 LossAndGrads = Callable[[nnx.State, nnx.State, jax.Array], tuple[tuple[jax.Array, tuple], Any]]
 
 
@@ -117,9 +109,9 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
         def loss_fn(params: nnx.State):
-            out = nnx.merge(graphdef, logical_stacks(params, cfg.model), biases).forward(inputs)
-            main, mtp = losses(out, labels)
-            return main + tc.mtp_lambda * mtp + out.aux_loss, (main, mtp, out)
+            out = nnx.merge(graphdef, logical_stacks(params, cfg.model), biases).losses(
+                inputs, labels)
+            return out.main + tc.mtp_lambda * out.mtp + out.aux_loss, (out.main, out.mtp, out)
 
         return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
@@ -155,7 +147,7 @@ def make_eval_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
 
     def eval_step(state: TrainState, tokens: jax.Array) -> jax.Array:
         params = logical_stacks(state.params, cfg.model)
-        out = nnx.merge(graphdef, params, state.biases).forward(tokens[:, :-1])
-        return cross_entropy(out.logits, tokens[:, 1:])
+        return nnx.merge(graphdef, params, state.biases).losses(tokens[:, :-1],
+                                                                tokens[:, 1:]).main
 
     return jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding))

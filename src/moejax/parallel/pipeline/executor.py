@@ -58,7 +58,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from moejax.config import ModelConfig
-from moejax.model import DeepseekV3, ModelOutput
+from moejax.model import DeepseekV3, ModelLosses
 from moejax.parallel.expert import EXPERT_AXIS, expert_axis_size
 from moejax.parallel.pipeline.paired import Chunk, fb_tick, pairs_pieces
 from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement
@@ -339,7 +339,7 @@ class PipelineExecutor:
                        ) -> tuple[tuple[jax.Array, tuple], nnx.State]:
         """``step`` in the shape ``make_train_step(loss_and_grads=...)`` takes."""
         r = self.step(params, biases, tokens)
-        out = ModelOutput(None, (), r.counts, r.aux, r.dropped, r.cross_node)
+        out = ModelLosses(r.main, r.mtp, r.counts, r.aux, r.dropped, r.cross_node)
         return (r.total, (r.main, r.mtp, out)), r.grads
 
 

@@ -95,6 +95,7 @@ from moejax.parallel.expert import (
     varying_over,
 )
 from moejax.parallel.sharding import param_logical_axes
+from moejax.precision import Precision
 
 Values = dict[str, Any]  # float arrays a piece differentiates through
 Meta = dict[str, Any]  # routing decisions and layouts (integers): carried, not differentiated
@@ -174,7 +175,8 @@ def _residual(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, met
               ) -> tuple[Values, Meta]:
     h = x["h"]
     rows = ctx.transport.finish(x["rows"], meta["inbound"])
-    y = combine(rows, meta["order"], x["weights"]).reshape(h.shape)
+    y = combine(rows, meta["order"], x["weights"], block.mlp.precision is Precision.FP8
+                ).reshape(h.shape)
     if x["shared"] is not None:
         y = y + x["shared"]
     return {"h": h + y, "balance": x["balance"]}, meta

@@ -30,7 +30,6 @@ from moejax.model import DeepseekV3
 from moejax.model.decoder import DecoderBlock
 from moejax.model.rope import rope_tables
 from moejax.model.transformer import run_stack
-from moejax.train.step import cross_entropy
 
 
 class StageStats(NamedTuple):
@@ -159,10 +158,10 @@ def stage_back(shape: StageShape, model: DeepseekV3, h: jax.Array, tokens: jax.A
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     seq = inputs.shape[1]
     aux, dropped, cross_node = zero, none, none
-    main = cross_entropy(model.head(model.norm(h)), labels)
+    main = model.head_loss(model.norm(h), labels)
     mtp_losses = []
     for depth, normed, stats in model.mtp_depths(h, inputs, *_rope(model, tokens)):
-        mtp_losses.append(cross_entropy(model.head(normed), labels[:, depth:]))
+        mtp_losses.append(model.head_loss(normed, labels[:, depth:]))
         if stats is not None:
             counts = counts.at[c.num_moe_layers + depth - 1].set(stats.counts)
             aux = aux + c.aux_loss_alpha * stats.balance_loss

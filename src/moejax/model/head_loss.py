@@ -1,0 +1,120 @@
+"""The output head fused with its cross-entropy, in chunks of tokens: logits never whole.
+
+The plain composition keeps the FP32 logits (tokens x vocab: 0.5 GiB per 4096 tokens of
+the ``small`` preset, 2 GiB for DeepSeek-V3's vocabulary) for backward, once for the main
+head and once per MTP depth, and materialises their gradient of the same size in backward.
+Here the head's gradients are computed in the forward pass instead, one chunk of tokens at
+a time: per chunk the FP32 logits, their log-sum-exp and the loss, then the logits'
+gradient ``(softmax - onehot) / N`` rounded to the compute dtype (as the head's own VJP,
+``precision.dense_matmul``, rounds its cotangent), ``dh = dlogits @ W^T`` and
+``dW += h^T @ dlogits`` with FP32 accumulation. Backward only scales the kept ``dh`` (FP32,
+tokens x hidden) and ``dW`` (FP32, hidden x vocab) by the loss's cotangent. The three GEMMs
+are the ones autodiff would run; nothing is recomputed. Chunks run along the sequence and
+keep the batch axis whole, so a batch sharded over ``data`` stays sharded inside each chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from pallas_kernels.varying import mark_varying, varying_union
+
+# FP32 logits of one chunk: bounds the transient to about this much (its rounded gradient
+# adds half again). 4096 tokens of a 32768-word vocabulary; 1038 of DeepSeek-V3's 129280.
+CHUNK_LOGITS_BYTES = 512 * 2**20
+
+
+def chunk_tokens_for(vocab_size: int) -> int:
+    """Tokens per chunk whose FP32 logits fill ``CHUNK_LOGITS_BYTES``."""
+    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
+
+
+def head_cross_entropy(h: jax.Array, kernel: jax.Array, labels: jax.Array,
+                       chunk_tokens: int | None = None) -> jax.Array:
+    """Mean next-token cross-entropy (nats, FP32) of ``softmax(h @ kernel)`` against
+    ``labels``: h (B, S, H) in the compute dtype, kernel (H, V) in any float dtype (cast to
+    h's for the GEMMs), labels (B, S) int in [0, V). ``chunk_tokens`` (default
+    ``chunk_tokens_for(V)``) bounds B x positions per chunk. Under shard_map the kernel is
+    typed as varying like h, so its gradient is a per-device partial like h's."""
+    if h.ndim != 3 or labels.shape != h.shape[:2] or kernel.shape[0] != h.shape[-1]:
+        raise ValueError(f"head_cross_entropy: h (B, S, H), labels (B, S) and kernel (H, V) "
+                         f"must agree; got h {h.shape}, labels {labels.shape}, kernel "
+                         f"{kernel.shape}")
+    chunk = chunk_tokens or chunk_tokens_for(kernel.shape[1])
+    positions = max(1, min(h.shape[1], chunk // h.shape[0]))
+    kernel = mark_varying(kernel, varying_union((h, labels)))
+    return _head_ce(h, kernel, labels, positions,
+                    (np.dtype(h.dtype), np.dtype(kernel.dtype)))
+
+
+def _chunked(x: jax.Array, positions: int) -> jax.Array:
+    """(B, S, ...) -> (S_padded / positions, B, positions, ...), zero-padded along S."""
+    b, s = x.shape[:2]
+    n = math.ceil(s / positions)
+    x = jnp.pad(x, [(0, 0), (0, n * positions - s)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(b, n, positions, *x.shape[2:]).swapaxes(0, 1)
+
+
+def _unchunked(x: jax.Array, seq: int) -> jax.Array:
+    """Inverse of ``_chunked`` for (n, B, positions, ...), cut back to ``seq`` positions."""
+    n, b, p = x.shape[:3]
+    return x.swapaxes(0, 1).reshape(b, n * p, *x.shape[3:])[:, :seq]
+
+
+def _scan(h: jax.Array, kernel: jax.Array, labels: jax.Array, positions: int,
+          with_grads: bool):
+    """The loss sum over real tokens, and with ``with_grads`` the FP32 dh (B, S, H) and dW
+    (H, V) of the mean loss."""
+    batch, seq, hidden = h.shape
+    vocab = kernel.shape[1]
+    count = batch * seq
+    w = kernel.astype(h.dtype)
+    real = jnp.ones(labels.shape, bool)  # the padding _chunked adds is False
+    xs = (_chunked(h, positions), _chunked(labels, positions), _chunked(real, positions))
+
+    def body(carry, chunk):
+        loss_sum, dw = carry
+        hc, yc, mask = chunk
+        logits = jnp.dot(hc, w, preferred_element_type=jnp.float32)  # (B, p, V)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, yc[..., None], axis=-1)[..., 0]
+        loss_sum = loss_sum + jnp.sum(jnp.where(mask, lse - picked, 0.0))
+        if not with_grads:
+            return (loss_sum, dw), None
+        onehot = jax.nn.one_hot(yc, vocab, dtype=jnp.float32)
+        weight = jnp.where(mask, 1.0 / count, 0.0)[..., None]
+        dlogits = ((jnp.exp(logits - lse[..., None]) - onehot) * weight).astype(h.dtype)
+        dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32)
+        dw = dw + jnp.einsum("bph,bpv->hv", hc, dlogits, preferred_element_type=jnp.float32)
+        return (loss_sum, dw), dh
+
+    axes = varying_union((h, kernel, labels))
+    dw0 = mark_varying(jnp.zeros((hidden, vocab) if with_grads else (), jnp.float32), axes)
+    loss0 = mark_varying(jnp.zeros((), jnp.float32), axes)
+    (loss_sum, dw), dh = jax.lax.scan(body, (loss0, dw0), xs)
+    if not with_grads:
+        return loss_sum / count
+    return loss_sum / count, _unchunked(dh, seq), dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _head_ce(h, kernel, labels, positions, dtypes):
+    return _scan(h, kernel, labels, positions, with_grads=False)
+
+
+def _head_ce_fwd(h, kernel, labels, positions, dtypes):
+    loss, dh, dw = _scan(h, kernel, labels, positions, with_grads=True)
+    return loss, (dh, dw)
+
+
+def _head_ce_bwd(positions, dtypes, residuals, g):
+    dh, dw = residuals
+    h_dtype, kernel_dtype = dtypes
+    return (g * dh).astype(h_dtype), (g * dw).astype(kernel_dtype), None
+
+
+_head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)
