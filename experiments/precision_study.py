@@ -1,7 +1,8 @@
 """BF16 vs FP8 training side by side: speed, memory, loss, and the largest micro-batch.
 
     python -m experiments.precision_study [--preset small] [--steps 40] [--batch B] [--seq S]
-        [--precisions bf16,fp8] [--fit-seq 4096] [--fit-cases none:bf16,...]
+        [--precisions bf16,fp8] [--eval-batches 4] [--eval-every N]
+        [--fit-seq 4096] [--fit-cases none:bf16,...]
         [--fit-cache FILE] [--device-memory GiB] [--profile DIR]
         [--set section.field=value ...]
 
@@ -10,8 +11,10 @@ standard library, sampled once). Per precision it prints tokens/s, MFU (active-p
 FLOPs, ``moejax.train.flops``), median step time after the first (compiling) step, the
 compiled step's memory (``compiled.memory_analysis()``: arguments + temporaries, as
 ``moejax.memory.budget`` counts it; outputs alias the donated state) and the device's
-measured peak, then both loss curves and their
-relative difference after warm-up.
+measured peak, then both loss curves and their relative difference after warm-up, and
+the loss of both on the same held-out batches (``--eval-batches``, text after the training
+text) after every ``--eval-every`` steps and after the last: one batch's training loss
+swings by several percent from step to step, the held-out mean does not.
 
 ``--profile DIR`` runs one more step of each run, then traces three, and accounts for the
 step time the MFU figure leaves out: device busy time per kernel category
@@ -55,7 +58,8 @@ from moejax.memory.remat import POLICIES as REMAT_POLICIES
 from moejax.precision import PRECISIONS
 from moejax.train.config import ExperimentConfig, apply_overrides, get_experiment_preset
 from moejax.train.flops import mfu, peak_flops, train_flops_per_token
-from moejax.train.step import attention_implementation, make_train_step, state_initializer
+from moejax.train.step import (attention_implementation, make_eval_step, make_train_step,
+                               state_initializer)
 
 LOSS_WINDOW = 20  # steps per mean in the loss comparison
 GIB = 2**30
@@ -69,22 +73,31 @@ class RunResult:
     mfu: float | None
     compiled_gib: float | None
     measured_peak_gib: float | None
+    held_out: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> loss
     device_time: profiling.DeviceTime | None = None  # per step, with --profile
     top_kernels: list[tuple[str, str, float]] | None = None
 
 
-def text_batches(steps: int, batch: int, seq: int, seed: int) -> np.ndarray:
-    """(steps, batch, seq+1) windows of byte-tokenized stdlib text at seeded offsets."""
-    need = steps * batch * (seq + 1) * 4
+def text_batches(steps: int, batch: int, seq: int, seed: int, held_out: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, batch, seq+1) windows of byte-tokenized stdlib text at seeded offsets, and
+    (held_out, batch, seq+1) windows from text after all of them (never trained on)."""
+    window = batch * (seq + 1)
+    train_need, eval_need = steps * window * 4, held_out * window * 4
     tokenizer, chunks, have = ByteTokenizer(), [], 0
     for doc in stdlib_documents():
         chunks.append(tokenizer.encode(doc))
         have += len(chunks[-1])
-        if have >= need:
+        if have >= train_need + eval_need:
             break
     stream = np.concatenate(chunks)
-    starts = np.random.default_rng(seed).integers(0, len(stream) - seq - 1, (steps, batch))
-    return stream[starts[..., None] + np.arange(seq + 1)]
+    cut = len(stream) * train_need // (train_need + eval_need)
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, cut - seq - 1, (steps, batch))
+    eval_starts = (rng.integers(cut, len(stream) - seq - 1, (held_out, batch)) if held_out
+                   else np.zeros((0, batch), np.int64))
+    return (stream[starts[..., None] + np.arange(seq + 1)],
+            stream[eval_starts[..., None] + np.arange(seq + 1)])
 
 
 def measured_peak_gib() -> float | None:
@@ -93,16 +106,23 @@ def measured_peak_gib() -> float | None:
 
 
 def train(cfg: ExperimentConfig, batches: np.ndarray, profile_dir: str | None = None,
-          ) -> RunResult:
+          held_out: np.ndarray | None = None, eval_every: int = 0) -> RunResult:
+    """``held_out`` batches are evaluated (main next-token loss, mean over them) after every
+    ``eval_every`` steps (0: after the last only), outside the timed steps."""
     graphdef, init = state_initializer(cfg)
     state = jax.jit(init)(cfg.train.seed)
     compiled = make_train_step(graphdef, cfg).lower(state, jnp.asarray(batches[0])).compile()
-    losses, times = [], []
-    for tokens in batches:
+    evaluate = make_eval_step(graphdef, cfg)
+    losses, times, held_out_losses = [], [], {}
+    for step, tokens in enumerate(batches, start=1):
         start = time.perf_counter()
         state, metrics = compiled(state, jnp.asarray(tokens))
         losses.append(float(metrics["loss"]))  # blocks: the step is done
         times.append(time.perf_counter() - start)
+        if held_out is not None and len(held_out) and (
+                step == len(batches) or (eval_every and step % eval_every == 0)):
+            held_out_losses[step] = float(np.mean([evaluate(state, jnp.asarray(b))
+                                                   for b in held_out]))
     step_s = statistics.median(times[1:] or times)
     tokens_per_s = cfg.train.tokens_per_step / step_s
     flops = train_flops_per_token(cfg.model, cfg.train.seq_len)
@@ -111,7 +131,8 @@ def train(cfg: ExperimentConfig, batches: np.ndarray, profile_dir: str | None = 
     used = (None if analysis is None
             else analysis.argument_size_in_bytes + analysis.temp_size_in_bytes)
     result = RunResult(losses, step_s, tokens_per_s, mfu(tokens_per_s, flops, peak, 1),
-                       None if used is None else used / GIB, measured_peak_gib())
+                       None if used is None else used / GIB, measured_peak_gib(),
+                       held_out_losses)
     if profile_dir:
         def one_step():  # the step donates its state: thread it through
             nonlocal state
@@ -197,6 +218,10 @@ def print_runs(results: dict[str, RunResult], cfg: ExperimentConfig) -> None:
     if set(results) != set(PRECISIONS):
         print("\n" + "\n".join(f"{p} losses: " + " ".join(f"{x:.4f}" for x in r.losses)
                                 for p, r in results.items()))
+        for p, r in results.items():
+            if r.held_out:
+                print(f"{p} held-out loss: " + ", ".join(f"step {step} {x:.4f}"
+                                                          for step, x in r.held_out.items()))
         return
     bf16, fp8 = results["bf16"], results["fp8"]
     print(f"FP8 / BF16 tokens/s: {fp8.tokens_per_s / bf16.tokens_per_s:.2f}x")
@@ -213,6 +238,12 @@ def print_runs(results: dict[str, RunResult], cfg: ExperimentConfig) -> None:
         a, b = (np.mean(r.losses[lo:lo + LOSS_WINDOW]) for r in (bf16, fp8))
         print(f"steps {lo + 1}-{lo + LOSS_WINDOW}: mean loss bf16 {a:.4f}, fp8 {b:.4f}, "
               f"relative {(b - a) / a:+.2%}")
+    if bf16.held_out:
+        # The same held-out batches for both: no batch-to-batch noise in the difference.
+        print(f"\n{'step':>5} {'held-out bf16':>14} {'held-out fp8':>13} {'rel diff':>9}")
+        for step, a in bf16.held_out.items():
+            b = fp8.held_out[step]
+            print(f"{step:>5} {a:>14.4f} {b:>13.4f} {(b - a) / a:>+9.2%}")
 
 
 def print_account(results: dict[str, RunResult]) -> None:
@@ -345,6 +376,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="JSON of compiled step bytes: read, and written after each "
                              "compile, so a cut search resumes without recompiling (start "
                              "a new file after changing the code)")
+    parser.add_argument("--eval-batches", type=int, default=4,
+                        help="held-out batches (text after the training text) whose mean "
+                             "loss both precisions report; 0 skips it")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="evaluate the held-out batches every N steps (0: after the "
+                             "last step only)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help=f"comma-separated subset of {PRECISIONS} to train")
     parser.add_argument("--profile", metavar="DIR",
@@ -363,6 +400,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--fit-cases: {e}")
     if args.steps < 0:
         parser.error(f"--steps {args.steps}: must be >= 0")
+    for flag in ("eval_batches", "eval_every"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
     if args.profile and jax.default_backend() == "cpu":
         parser.error("--profile reads accelerator kernel events from the trace; this process "
                      "runs on the CPU")
@@ -379,9 +419,10 @@ def main(argv: list[str] | None = None) -> None:
           f"device {jax.devices()[0].device_kind}, remat {tc.remat}, "
           f"attention {attention_implementation(tc)}", flush=True)
     if args.steps:
-        batches = text_batches(tc.steps, tc.batch_size, tc.seq_len, tc.seed)
+        batches, held_out = text_batches(tc.steps, tc.batch_size, tc.seq_len, tc.seed,
+                                         args.eval_batches)
         results = {p: train(apply_overrides(cfg, [f"train.precision={p}"]), batches,
-                            args.profile) for p in precisions}
+                            args.profile, held_out, args.eval_every) for p in precisions}
         print_runs(results, cfg)
         print_account(results)
     fit_seq = (min(4096, cfg.model.max_position_embeddings) if args.fit_seq is None

@@ -270,7 +270,7 @@ def test_tiny_fp8_run_tracks_bf16_loss():
     cfg = dataclasses.replace(TINY, model=SHORT.replace(num_nextn_predict_layers=0),
                               train=dataclasses.replace(TINY.train, steps=steps, batch_size=4,
                                                         seq_len=64, warmup_steps=4))
-    batches = text_batches(steps, 4, 64, seed=7)
+    batches, _ = text_batches(steps, 4, 64, seed=7)
     curves, first = {}, None
     for precision in ("bf16", "fp8"):
         run = apply_overrides(cfg, [f"train.precision={precision}"])
@@ -349,3 +349,23 @@ def test_fit_cache_resumes_a_search_without_compiling(tmp_path, monkeypatch, cap
     first = capsys.readouterr().out
     precision_study_main(args)
     assert len(compiled) == 4 and "batch 50\n" in capsys.readouterr().out and "batch 50" in first
+
+
+def test_study_reports_held_out_loss_on_text_it_never_trained_on(capsys):
+    """The held-out windows come from text after every training window, and both
+    precisions report their mean loss on them at the requested steps and at the end."""
+    train_windows, held_out = text_batches(3, 2, 32, seed=1, held_out=2)
+    assert train_windows.shape == (3, 2, 33) and held_out.shape == (2, 2, 33)
+    seen = {w.tobytes() for w in train_windows.reshape(-1, 33)}
+    assert not seen & {w.tobytes() for w in held_out.reshape(-1, 33)}
+    precision_study_main(["--preset", "tiny", "--steps", "3", "--batch", "2", "--seq", "32",
+                          "--fit-seq", "0", "--eval-batches", "2", "--eval-every", "2"])
+    out = capsys.readouterr().out
+    assert re.search(r"step +held-out bf16 +held-out fp8", out), out
+    table = out.split("held-out fp8")[1]
+    steps = re.findall(r"^ +(\d+) +([0-9.]+) +([0-9.]+) ", table, re.MULTILINE)
+    assert [s for s, *_ in steps] == ["2", "3"], out
+    assert all(2.0 < float(x) < 7.0 for _, *pair in steps for x in pair), out
+    with pytest.raises(SystemExit):
+        precision_study_main(["--preset", "tiny", "--steps", "1", "--eval-every", "-1"])
+    assert "--eval-every -1: must be >= 0" in capsys.readouterr().err
