@@ -90,7 +90,11 @@ permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _permute_quantized(x, permutation, k):
+def permute_quantized(x: jax.Array, permutation: jax.Array, k: int
+                      ) -> tuple[jax.Array, jax.Array]:
+    """``permute_rows`` fused with ``quantize_1x128`` of its result (identical values and
+    scales) in one read of x: (T*k, H) FP8 and (T*k, ceil(H/128)) FP32 scales.
+    Forward-only: its consumers (an all_to_all, an FP8 GEMM) own the backward."""
     n, h = permutation.shape[0], x.shape[1]
     out = (n, h // 4) if triton_movement.packs_fp8(n, h) else (n, h)  # uint32 words or bytes
     shapes = ((x.shape, x.dtype), (out, jnp.float8_e4m3fn if out[1] == h else jnp.uint32))
@@ -98,15 +102,16 @@ def _permute_quantized(x, permutation, k):
 
 
 def _permute_quantized_fwd(x, permutation, k):
-    return _permute_quantized(x, permutation, k), None
+    return permute_quantized(x, permutation, k), None
 
 
 def _permute_quantized_bwd(k, residuals, ct):
-    raise TypeError("dispatch(quantize=True) is forward-only: differentiate the BF16 dispatch, "
-                    "or give the FP8 consumer (all_to_all, FP8 GEMM) its own backward")
+    raise TypeError("dispatch(quantize=True) and permute_quantized are forward-only: "
+                    "differentiate the BF16 dispatch, or give the FP8 consumer (all_to_all, "
+                    "FP8 GEMM) its own backward")
 
 
-_permute_quantized.defvjp(_permute_quantized_fwd, _permute_quantized_bwd)
+permute_quantized.defvjp(_permute_quantized_fwd, _permute_quantized_bwd)
 
 
 def dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int, *,
@@ -122,7 +127,7 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int, *,
     k = expert_ids.shape[1]
     permutation, group_sizes = sort_by_expert(expert_ids, num_experts)
     if quantize:
-        tokens, scales = _permute_quantized(x, permutation, k)
+        tokens, scales = permute_quantized(x, permutation, k)
     else:
         tokens, scales = permute_rows(x, permutation, k), None
     return Dispatched(tokens, scales, group_sizes, permutation)

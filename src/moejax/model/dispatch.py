@@ -33,10 +33,12 @@ class Dispatched(NamedTuple):
 
 
 def _copies(x: jax.Array, order: jax.Array, k: int, quantize: bool) -> tuple[jax.Array, Any]:
-    tokens = pallas_kernels.permute_rows(x.reshape(-1, x.shape[-1]), order, k)
-    # The FP8 copy is what the FP8 expert GEMMs keep; gradients reach x through tokens.
-    return tokens, (pallas_kernels.quantize_1x128(jax.lax.stop_gradient(tokens)) if quantize
-                    else None)
+    rows = x.reshape(-1, x.shape[-1])
+    # The FP8 copy (one fused pass over x, not a second pass over the copies) is what the
+    # FP8 expert GEMMs read and keep; gradients reach x through the 16-bit copies.
+    return (pallas_kernels.permute_rows(rows, order, k),
+            pallas_kernels.permute_quantized(jax.lax.stop_gradient(rows), order, k)
+            if quantize else None)
 
 
 def dispatch(x: jax.Array, experts: jax.Array, num_experts: int,

@@ -48,10 +48,8 @@ class ModelLosses(NamedTuple):
     cross_node_tokens: jax.Array
 
 
-class _Trunk(NamedTuple):
-    """The forward pass up to the output head: what the heads read, and routing totals."""
-    normed: jax.Array  # (B, S, H) final-normed hidden states
-    mtp_normed: tuple[jax.Array, ...]  # depth d: (B, S-d, H)
+class _RoutingTotals(NamedTuple):
+    """The routing fields ``ModelOutput`` and ``ModelLosses`` end with, in their order."""
     expert_counts: jax.Array
     aux_loss: jax.Array
     dropped_tokens: jax.Array
@@ -175,7 +173,10 @@ class DeepseekV3(nnx.Module):
                               cos[:, :seq - depth], sin[:, :seq - depth], bias)
             yield depth, module.norm(h), None if bias is None else stats
 
-    def _trunk(self, input_ids: jax.Array) -> _Trunk:
+    def _trunk(self, input_ids: jax.Array
+               ) -> tuple[jax.Array, tuple[jax.Array, ...], _RoutingTotals]:
+        """The forward pass up to the output head: the final-normed hidden states (B, S, H),
+        each MTP depth's (B, S-d, H), and the routing totals."""
         c = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {input_ids.shape}")
@@ -201,25 +202,23 @@ class DeepseekV3(nnx.Module):
             rows.append(jax.tree.map(lambda x: x[None][:0],
                                      RoutingStats.zeros(c.n_routed_experts)))
         stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *rows)
-        return _Trunk(self.norm(h), tuple(mtp_normed), stats.counts,
-                      c.aux_loss_alpha * stats.balance_loss.sum(), stats.dropped.sum(),
-                      stats.cross_node.sum())
+        return self.norm(h), tuple(mtp_normed), _RoutingTotals(
+            stats.counts, c.aux_loss_alpha * stats.balance_loss.sum(), stats.dropped.sum(),
+            stats.cross_node.sum())
 
     def forward(self, input_ids: jax.Array) -> ModelOutput:
         """Logits of the main head and of every MTP depth, and the routing totals."""
-        t = self._trunk(input_ids)
-        return ModelOutput(self.head(t.normed), tuple(map(self.head, t.mtp_normed)),
-                           t.expert_counts, t.aux_loss, t.dropped_tokens, t.cross_node_tokens)
+        normed, mtp_normed, totals = self._trunk(input_ids)
+        return ModelOutput(self.head(normed), tuple(map(self.head, mtp_normed)), *totals)
 
     def losses(self, input_ids: jax.Array, labels: jax.Array) -> ModelLosses:
         """The main and MTP cross-entropies against ``labels`` (B, S) (depth d targets
         ``labels[:, d:]``), through the fused head: what the train step differentiates."""
-        t = self._trunk(input_ids)
-        mtp = [self.head_loss(normed, labels[:, d:])
-               for d, normed in enumerate(t.mtp_normed, start=1)]
-        return ModelLosses(self.head_loss(t.normed, labels),
+        normed, mtp_normed, totals = self._trunk(input_ids)
+        mtp = [self.head_loss(n, labels[:, d:]) for d, n in enumerate(mtp_normed, start=1)]
+        return ModelLosses(self.head_loss(normed, labels),
                            jnp.mean(jnp.stack(mtp)) if mtp else jnp.zeros((), jnp.float32),
-                           t.expert_counts, t.aux_loss, t.dropped_tokens, t.cross_node_tokens)
+                           *totals)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         return self.forward(input_ids).logits
