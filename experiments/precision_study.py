@@ -1,7 +1,7 @@
 """BF16 vs FP8 training side by side: speed, memory, loss, and the largest micro-batch.
 
     python -m experiments.precision_study [--preset small] [--steps 40] [--batch B] [--seq S]
-        [--precisions bf16,fp8] [--eval-batches 4] [--eval-every N]
+        [--precisions bf16,fp8] [--eval-batches 4] [--eval-every N] [--seeds N]
         [--fit-seq 4096] [--fit-cases none:bf16,...]
         [--fit-cache FILE] [--device-memory GiB] [--profile DIR]
         [--set section.field=value ...]
@@ -14,7 +14,10 @@ compiled step's memory (``compiled.memory_analysis()``: arguments + temporaries,
 measured peak, then both loss curves and their relative difference after warm-up, and
 the loss of both on the same held-out batches (``--eval-batches``, text after the training
 text) after every ``--eval-every`` steps and after the last: one batch's training loss
-swings by several percent from step to step, the held-out mean does not.
+swings by several percent from step to step, the held-out mean does not. ``--seeds N``
+trains each precision from N seeds (one compile each) and sets each seed's FP8 - BF16 gap
+beside the spread of one precision's runs across seeds: how far two runs of the same
+arithmetic drift apart is the floor under any gap a run this short can show.
 
 ``--profile DIR`` runs one more step of each run, then traces three, and accounts for the
 step time the MFU figure leaves out: device busy time per kernel category
@@ -105,34 +108,42 @@ def measured_peak_gib() -> float | None:
     return None if peak is None else peak / GIB
 
 
-def train(cfg: ExperimentConfig, batches: np.ndarray, profile_dir: str | None = None,
-          held_out: np.ndarray | None = None, eval_every: int = 0) -> RunResult:
-    """``held_out`` batches are evaluated (main next-token loss, mean over them) after every
-    ``eval_every`` steps (0: after the last only), outside the timed steps."""
+def train(cfg: ExperimentConfig, runs: list[tuple[int, np.ndarray]],
+          profile_dir: str | None = None, held_out: np.ndarray | None = None,
+          eval_every: int = 0) -> list[RunResult]:
+    """One result per ``(seed, batches)`` run, all through one compiled step: the seed picks
+    the initial weights. ``held_out`` batches are evaluated (main next-token loss, mean over
+    them) after every ``eval_every`` steps (0: after the last only), outside the timed
+    steps. ``profile_dir``: the last run traces three more steps."""
     graphdef, init = state_initializer(cfg)
-    state = jax.jit(init)(cfg.train.seed)
-    compiled = make_train_step(graphdef, cfg).lower(state, jnp.asarray(batches[0])).compile()
+    init = jax.jit(init)
+    compiled = make_train_step(graphdef, cfg).lower(
+        init(runs[0][0]), jnp.asarray(runs[0][1][0])).compile()
     evaluate = make_eval_step(graphdef, cfg)
-    losses, times, held_out_losses = [], [], {}
-    for step, tokens in enumerate(batches, start=1):
-        start = time.perf_counter()
-        state, metrics = compiled(state, jnp.asarray(tokens))
-        losses.append(float(metrics["loss"]))  # blocks: the step is done
-        times.append(time.perf_counter() - start)
-        if held_out is not None and len(held_out) and (
-                step == len(batches) or (eval_every and step % eval_every == 0)):
-            held_out_losses[step] = float(np.mean([evaluate(state, jnp.asarray(b))
-                                                   for b in held_out]))
-    step_s = statistics.median(times[1:] or times)
-    tokens_per_s = cfg.train.tokens_per_step / step_s
-    flops = train_flops_per_token(cfg.model, cfg.train.seq_len)
-    peak = peak_flops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
     analysis = compiled.memory_analysis()  # counted as moejax.memory.budget.compiled_peak does
     used = (None if analysis is None
             else analysis.argument_size_in_bytes + analysis.temp_size_in_bytes)
-    result = RunResult(losses, step_s, tokens_per_s, mfu(tokens_per_s, flops, peak, 1),
-                       None if used is None else used / GIB, measured_peak_gib(),
-                       held_out_losses)
+    flops = train_flops_per_token(cfg.model, cfg.train.seq_len)
+    peak = peak_flops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
+    results = []
+    for seed, batches in runs:
+        state = init(seed)
+        losses, times, held_out_losses = [], [], {}
+        for step, tokens in enumerate(batches, start=1):
+            start = time.perf_counter()
+            state, metrics = compiled(state, jnp.asarray(tokens))
+            losses.append(float(metrics["loss"]))  # blocks: the step is done
+            times.append(time.perf_counter() - start)
+            if held_out is not None and len(held_out) and (
+                    step == len(batches) or (eval_every and step % eval_every == 0)):
+                held_out_losses[step] = float(np.mean([evaluate(state, jnp.asarray(b))
+                                                       for b in held_out]))
+        step_s = statistics.median(times[1:] or times)
+        tokens_per_s = cfg.train.tokens_per_step / step_s
+        results.append(RunResult(losses, step_s, tokens_per_s,
+                                 mfu(tokens_per_s, flops, peak, 1),
+                                 None if used is None else used / GIB, measured_peak_gib(),
+                                 held_out_losses))
     if profile_dir:
         def one_step():  # the step donates its state: thread it through
             nonlocal state
@@ -142,9 +153,10 @@ def train(cfg: ExperimentConfig, batches: np.ndarray, profile_dir: str | None = 
         trace_dir.mkdir(parents=True, exist_ok=True)
         with gzip.open(trace_dir / "step.hlo.txt.gz", "wt") as f:  # to read a fusion's body
             f.write(compiled.as_text())
-        result.device_time = profiling.profile(one_step, trace_dir)
-        result.top_kernels = profiling.top_kernels(profiling.load_kernel_events(trace_dir))
-    return result
+        results[-1].device_time = profiling.profile(one_step, trace_dir)
+        results[-1].top_kernels = profiling.top_kernels(
+            profiling.load_kernel_events(trace_dir))
+    return results
 
 
 def largest_batch(bytes_at: Callable[[int], int], limit: int, cap: int = 4096,
@@ -244,6 +256,30 @@ def print_runs(results: dict[str, RunResult], cfg: ExperimentConfig) -> None:
         for step, a in bf16.held_out.items():
             b = fp8.held_out[step]
             print(f"{step:>5} {a:>14.4f} {b:>13.4f} {(b - a) / a:>+9.2%}")
+
+
+def print_seeds(results: dict[str, list[RunResult]], seeds: list[int]) -> None:
+    """Per seed, the last loss window's mean and each held-out loss; then each seed's FP8 -
+    BF16 gap beside each precision's spread over seeds ((max - min) / mean). Runs from two
+    seeds of one precision part by chance alone (another start, other batches, and GPU
+    reductions that are not deterministic): a gap within that spread is not resolved."""
+    first = next(iter(results.values()))[0]
+    points = [("last window", lambda r: float(np.mean(r.losses[-LOSS_WINDOW:])))] + [
+        (f"held-out @{step}", lambda r, step=step: r.held_out[step]) for step in first.held_out]
+    print(f"\nloss per seed ({', '.join(map(str, seeds))}); spread = (max - min) / mean "
+          f"over seeds")
+    header = "".join(f"{p + ' s' + str(i):>11}" for p in results for i in range(len(seeds)))
+    gaps = "FP8-BF16 per seed" if set(results) == set(PRECISIONS) else ""
+    print(f"{'':<18}{header}" + "".join(f"{p + ' spread':>13}" for p in results)
+          + (f"  {gaps}" if gaps else ""))
+    for name, value in points:
+        values = {p: [value(r) for r in runs] for p, runs in results.items()}
+        cells = "".join(f"{v:>11.4f}" for vs in values.values() for v in vs)
+        spreads = "".join(f"{(max(vs) - min(vs)) / np.mean(vs):>13.2%}"
+                          for vs in values.values())
+        gap = ("  " + " ".join(f"{(b - a) / a:+.2%}" for a, b in
+                               zip(values["bf16"], values["fp8"]))) if gaps else ""
+        print(f"{name:<18}{cells}{spreads}{gap}")
 
 
 def print_account(results: dict[str, RunResult]) -> None:
@@ -382,6 +418,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=0,
                         help="evaluate the held-out batches every N steps (0: after the "
                              "last step only)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="train each precision from this many seeds (train.seed, +1, ...: "
+                             "other weights and batches, one compile) and compare the FP8 - "
+                             "BF16 gap with the BF16 runs' own spread across seeds")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help=f"comma-separated subset of {PRECISIONS} to train")
     parser.add_argument("--profile", metavar="DIR",
@@ -403,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("eval_batches", "eval_every"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: must be >= 1")
     if args.profile and jax.default_backend() == "cpu":
         parser.error("--profile reads accelerator kernel events from the trace; this process "
                      "runs on the CPU")
@@ -419,12 +461,18 @@ def main(argv: list[str] | None = None) -> None:
           f"device {jax.devices()[0].device_kind}, remat {tc.remat}, "
           f"attention {attention_implementation(tc)}", flush=True)
     if args.steps:
-        batches, held_out = text_batches(tc.steps, tc.batch_size, tc.seq_len, tc.seed,
+        runs, held_out = [], None
+        for seed in range(tc.seed, tc.seed + args.seeds):
+            batches, held = text_batches(tc.steps, tc.batch_size, tc.seq_len, seed,
                                          args.eval_batches)
-        results = {p: train(apply_overrides(cfg, [f"train.precision={p}"]), batches,
+            runs.append((seed, batches))
+            held_out = held if held_out is None else held_out  # one held-out set for all
+        results = {p: train(apply_overrides(cfg, [f"train.precision={p}"]), runs,
                             args.profile, held_out, args.eval_every) for p in precisions}
-        print_runs(results, cfg)
-        print_account(results)
+        print_runs({p: r[0] for p, r in results.items()}, cfg)
+        if args.seeds > 1:
+            print_seeds(results, [seed for seed, _ in runs])
+        print_account({p: r[-1] for p, r in results.items()})
     fit_seq = (min(4096, cfg.model.max_position_embeddings) if args.fit_seq is None
                else args.fit_seq)
     if fit_seq:

@@ -8,9 +8,15 @@ row-major, with no transpose pass). The wgrad operands are laid out tile-aligned
 (``group_schedule.AlignedLayout``: each group's tokens start on a 128-token tile), so no
 scale tile mixes two experts' tokens and the WGMMA kernel needs no masking.
 
+Weights come as stored, (K, N) or (G, K, N), and their gradients leave in that layout, so
+the optimizer updates them in place (a (G, N, K) gradient made XLA's AdamW fusion transpose
+every expert stack, write it to a temporary and copy it back into the donated buffer). The
+128x128 blocks are quantized in that layout once; dgrad reads them as they are, fprop reads
+their FP8 transpose (w^T's blocks are w's blocks transposed: same scales, same values), and
+wgrad computes x^T dy.
+
 FP8 activation storage: the residuals are the FP8 copies made for fprop (x with its
-1x128 scales, w with its 128x128 scales), not the BF16/FP32 inputs. dgrad reuses the
-FP8 weight as is (w^T's blocks are w's blocks transposed). wgrad needs x quantized
+1x128 scales, w with its 128x128 scales), not the BF16/FP32 inputs. wgrad needs x quantized
 along tokens, which is derived from the saved copy by dequantize-transpose-requantize,
 as DeepSeek-V3 does. That is a second rounding: x is first rounded to E4M3 on its
 K-tile scale, then re-rounded on its token-tile scale, so wgrad sees up to two E4M3
@@ -48,14 +54,16 @@ def _dtype_marker(x: jax.Array) -> jax.Array:
 
 
 def _fprop(x: Quantized, w: Quantized, group_sizes, dtype) -> jax.Array:
-    return scaled_matmul(*x, *w, group_sizes, b_row_tile=TILE, out_dtype=dtype)
+    """y = x w: the kernel contracts K-major operands, so it reads w^T (G, N, K)."""
+    wq, ws = w
+    return scaled_matmul(*x, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(ws, 1, 2), group_sizes,
+                         b_row_tile=TILE, out_dtype=dtype)
 
 
 def _dgrad(dy, w: Quantized, group_sizes, dtype) -> jax.Array:
+    """dx = dy w^T: w (G, K, N) is already N-major, as the kernel reads it."""
     dyq, dys = quantize_1x128(dy)
-    wq, ws = w
-    return scaled_matmul(dyq, dys, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(ws, 1, 2),
-                         group_sizes, b_row_tile=TILE, out_dtype=dtype)
+    return scaled_matmul(dyq, dys, *w, group_sizes, b_row_tile=TILE, out_dtype=dtype)
 
 
 def _along_tokens(x: Quantized, layout: AlignedLayout) -> Quantized:
@@ -67,11 +75,11 @@ def _along_tokens(x: Quantized, layout: AlignedLayout) -> Quantized:
 
 
 def _wgrad(dy, x_t: Quantized, layout: AlignedLayout, dtype) -> jax.Array:
-    """dw (G, N, K) = dy^T x per group; x_t is x^T (K, R) already quantized along tokens in
-    `layout`. One group is the dense case."""
+    """dw (G, K, N) = x^T dy per group, in the weights' own layout; x_t is x^T (K, R)
+    already quantized along tokens in `layout`. One group is the dense case."""
     dyq, dys = quantize_along_tokens(dy, layout)
     xq, xs = x_t
-    return ops().grouped_matmul_tn(dyq, xq, layout.sizes, x_scale=dys, y_scale=xs,
+    return ops().grouped_matmul_tn(xq, dyq, layout.sizes, x_scale=xs, y_scale=dys,
                                    token_major=False, out_dtype=dtype, tile_aligned=True)
 
 
@@ -83,7 +91,7 @@ def _backward(res, dy):
 
 
 def _forward(x, w, sizes, x_fp8: Quantized | None = None):
-    """y and the FP8 residuals; w is (G, N, K). ``x_fp8``: x's 1x128 quantization if the
+    """y and the FP8 residuals; w is (G, K, N). ``x_fp8``: x's 1x128 quantization if the
     caller already has it (then x itself is not read)."""
     xq, wq = quantize_1x128(x) if x_fp8 is None else x_fp8, _quantize_weights(w)
     return _fprop(xq, wq, sizes, x.dtype), (xq, wq, sizes, _dtype_marker(x), _dtype_marker(w))
@@ -91,7 +99,7 @@ def _forward(x, w, sizes, x_fp8: Quantized | None = None):
 
 @jax.custom_vjp
 def fp8_linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """y (M, N) = x (M, K) @ w (N, K)^T with FP8 operands, in x's dtype; dw in w's dtype."""
+    """y (M, N) = x (M, K) @ w (K, N) with FP8 operands, in x's dtype; dw in w's dtype."""
     return _forward(x, w[None], _full(x.shape[0]))[0]
 
 
@@ -110,7 +118,7 @@ fp8_linear.defvjp(_linear_fwd, _linear_bwd)
 @jax.custom_vjp
 def fp8_grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                        x_fp8: Quantized | None = None) -> jax.Array:
-    """Row r of group g: y[r] = x[r] @ w[g]^T, x (M, K), w (G, N, K); FP8 operands.
+    """Row r of group g: y[r] = x[r] @ w[g], x (M, K), w (G, K, N); FP8 operands.
 
     ``x_fp8`` = ``quantize_1x128(x)`` where the caller has it already (tokens that travelled
     in FP8): the GEMM takes it as is instead of re-rounding x, and x is then only the
@@ -135,7 +143,8 @@ Activation = Callable[[jax.Array, jax.Array], jax.Array]
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def fp8_gated_grouped_linear(gate: jax.Array, up: jax.Array, w: jax.Array,
                              group_sizes: jax.Array, activation: Activation) -> jax.Array:
-    """y[r] = activation(gate, up)[r] @ w[g]^T (e.g. SwiGLU then the down projection).
+    """y[r] = activation(gate, up)[r] @ w[g], w (G, I, N) (e.g. SwiGLU then the down
+    projection).
 
     Backward keeps gate and up as FP8 copies (1x128 scales) and recomputes the activation
     from them, instead of keeping gate, up (BF16) and the activation's FP8 copy: 2 bytes per

@@ -47,7 +47,8 @@ def quantize_1x128(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 @jax.jit
 def quantize_128x128(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """w (N, K) -> (w_fp8 (N, K), scale (ceil(N/128), ceil(K/128))) per 128x128 block."""
+    """w (R, C) -> (w_fp8 (R, C), scale (ceil(R/128), ceil(C/128))) per 128x128 block; the
+    blocks of w^T are those of w transposed, so either layout may be quantized."""
     n, k = w.shape
     wp = _pad_to_tiles(w.astype(jnp.float32), (0, 1))
     nb, kb = wp.shape[0] // TILE, wp.shape[1] // TILE

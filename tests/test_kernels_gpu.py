@@ -136,7 +136,7 @@ def test_fp8_grouped_linear_grads_gpu(backend):
     m, n, k = 1300, 256, 512
     ks = jax.random.split(jax.random.key(7), 3)
     x = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
-    w = jax.random.normal(ks[1], (len(SIZES), n, k), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (len(SIZES), k, n), jnp.bfloat16)
     dy = jax.random.normal(ks[2], (m, n), jnp.bfloat16)
     sizes = jnp.asarray(SIZES)
     def grads(name):

@@ -92,7 +92,7 @@ def linear(x: jax.Array, kernel: jax.Array, precision: Precision, dtype: jnp.dty
     """``x @ kernel`` for x (..., in) and kernel (in, out), returned in ``dtype``."""
     x = x.astype(dtype)
     if precision is Precision.FP8:
-        return fp8_linear(_rows(x), kernel.T).reshape(*x.shape[:-1], kernel.shape[1])
+        return fp8_linear(_rows(x), kernel).reshape(*x.shape[:-1], kernel.shape[1])
     return dense_matmul(x, kernel, dtype)
 
 
@@ -101,7 +101,7 @@ def swiglu_linear(gate: jax.Array, up: jax.Array, kernel: jax.Array, precision: 
     """``swiglu(gate, up) @ kernel`` (a SwiGLU MLP's down projection)."""
     if precision is Precision.FP8:
         g, u = _rows(gate.astype(dtype)), _rows(up.astype(dtype))
-        y = fp8_gated_grouped_linear(g, u, kernel.T[None], _one_group(g), _swiglu_fp32)
+        y = fp8_gated_grouped_linear(g, u, kernel[None], _one_group(g), _swiglu_fp32)
         return y.reshape(*gate.shape[:-1], kernel.shape[1])
     return linear(swiglu(gate, up), kernel, precision, dtype)
 
@@ -111,7 +111,7 @@ def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     """Row r of group g: ``x[r] @ w[g]``; x (M, in), w (G, in, out), in x's dtype.
     ``x_fp8``: x's ``quantize_1x128`` when it exists already (FP8 uses it; BF16 ignores it)."""
     if precision is Precision.FP8:
-        return fp8_grouped_linear(x, jnp.swapaxes(w, 1, 2), group_sizes, x_fp8)
+        return fp8_grouped_linear(x, w, group_sizes, x_fp8)
     return grouped_gemm(x, w, group_sizes)
 
 
@@ -119,6 +119,5 @@ def grouped_swiglu_linear(gate: jax.Array, up: jax.Array, w: jax.Array, group_si
                           precision: Precision) -> jax.Array:
     """Row r of group g: ``swiglu(gate, up)[r] @ w[g]`` (the routed experts' down projection)."""
     if precision is Precision.FP8:
-        return fp8_gated_grouped_linear(gate, up, jnp.swapaxes(w, 1, 2), group_sizes,
-                                        _swiglu_fp32)
+        return fp8_gated_grouped_linear(gate, up, w, group_sizes, _swiglu_fp32)
     return grouped_linear(swiglu(gate, up), w, group_sizes, precision)
