@@ -145,9 +145,11 @@ def train(cfg: ExperimentConfig, runs: list[tuple[int, np.ndarray]],
                                  None if used is None else used / GIB, measured_peak_gib(),
                                  held_out_losses))
     if profile_dir:
-        def one_step():  # the step donates its state: thread it through
+        last_batch = jnp.asarray(runs[-1][1][-1])
+
+        def one_step():  # the step donates the last run's state: thread it through
             nonlocal state
-            state, step_metrics = compiled(state, jnp.asarray(batches[-1]))
+            state, step_metrics = compiled(state, last_batch)
             return step_metrics
         trace_dir = pathlib.Path(profile_dir, cfg.train.precision)
         trace_dir.mkdir(parents=True, exist_ok=True)

@@ -38,11 +38,10 @@ def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
     batch, seq, hidden = x.shape
     logits = router_logits(x, router).reshape(batch * seq, -1)
     routing = route(logits, bias, config)
-    sent = dispatch(x, routing.experts, config.n_routed_experts,
-                    quantize=precision is Precision.FP8)
+    fp8 = precision is Precision.FP8
+    sent = dispatch(x, routing.experts, config.n_routed_experts, quantize=fp8)
     y_sorted = run_experts(sent.tokens, sent.group_sizes, weights, sent.tokens_fp8)
-    y = combine(y_sorted, sent.order, routing.weights, precision is Precision.FP8
-                ).reshape(batch, seq, hidden)
+    y = combine(y_sorted, sent.order, routing.weights, fp8).reshape(batch, seq, hidden)
     balance = balance_loss(routing, batch, config)
     no_copies = jnp.zeros((), jnp.int32)
     return MoEOutput(y, RoutingStats(sent.group_sizes, balance, no_copies, no_copies))
