@@ -92,7 +92,7 @@ def _routing(key, tokens: int, experts: int) -> jax.Array:
 
 
 def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
-               interpret: bool) -> list[Row]:
+               interpret: bool, only: str = "") -> list[Row]:
     n = tokens * K
     label = f"T={tokens} H={hidden} E={experts}"
     sets = max(1, min(8, SET_BYTES // (n * hidden * 2)))
@@ -141,6 +141,8 @@ def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
     ]
     rows = []
     for name, floor, kernel, xla, names, check, runs in ops:
+        if only not in name:
+            continue
         args = argsets(*names)
         rows.append(_measure(label, name, floor, kernel if runs else None, xla, args, check,
                              repeats))
@@ -333,6 +335,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="trace dir for the MoE layer split")
     parser.add_argument("--json", default=None)
     parser.add_argument("--tune", action="store_true", help="sweep kernel tile configs first")
+    parser.add_argument("--only", default="", help="the ops whose name contains this text")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"backend {pk.backend()}", flush=True)
@@ -343,7 +346,8 @@ def main() -> None:
     tokens_list = [int(t) for t in args.tokens.split(",")][:1 if args.quick else None]
     for tokens in tokens_list:
         for hidden, experts in CROSSED if args.crossed else PAIRED:
-            rows += shape_rows(tokens, hidden, experts, args.repeats, args.interpret)
+            rows += shape_rows(tokens, hidden, experts, args.repeats, args.interpret,
+                               args.only)
             print(f"done T={tokens} H={hidden} E={experts}", flush=True)
     moe_tokens = [int(t) for t in args.moe_tokens.split(",") if t][:1 if args.quick else None]
     layers = [d for t in moe_tokens for d in moe_layer(t, args.repeats, args.profile)]

@@ -36,7 +36,8 @@ from pallas_kernels.backend import ops
 from pallas_kernels.gemm import scaled_matmul
 from pallas_kernels.group_schedule import AlignedLayout, aligned_layout, gather_aligned
 from pallas_kernels.movement import quantize_along_tokens
-from pallas_kernels.quantize import TILE, dequantize, quantize_1x128, quantize_128x128
+from pallas_kernels.quantize import (TILE, as_residual, dequantize, from_residual, quantize_1x128,
+                                     quantize_128x128)
 
 _quantize_weights = jax.vmap(quantize_128x128)
 
@@ -69,8 +70,9 @@ def _dgrad(dy, w: Quantized, group_sizes, dtype) -> jax.Array:
 def _along_tokens(x: Quantized, layout: AlignedLayout) -> Quantized:
     """x^T (K, R) quantized 1x128 along tokens in the tile-aligned layout, from the saved
     K-tiled FP8 copy of x (M, K). XLA fuses the dequantize and the row gather into its
-    transpose-quantize pass (1 byte in per element); the fused kernel would need the FP32
-    dequantized copy written out first (4 bytes)."""
+    transpose-quantize pass (1 byte in per element). A Triton kernel doing the same pass
+    (dequantize in registers) ran at 0.73-1.29x XLA's speed on an H100 (docs/performance.md,
+    session 15), so XLA keeps it."""
     return quantize_1x128(gather_aligned(dequantize(*x, row_tile=1), layout).T)
 
 
@@ -85,16 +87,20 @@ def _wgrad(dy, x_t: Quantized, layout: AlignedLayout, dtype) -> jax.Array:
 
 def _backward(res, dy):
     x, w, sizes, x_dtype, w_dtype = res
+    x, w = from_residual(x), from_residual(w)
     layout = aligned_layout(sizes, dy.shape[0])
     dx = _dgrad(dy, w, sizes, x_dtype.dtype)
     return dx, _wgrad(dy, _along_tokens(x, layout), layout, w_dtype.dtype)
 
 
-def _forward(x, w, sizes, x_fp8: Quantized | None = None):
-    """y and the FP8 residuals; w is (G, K, N). ``x_fp8``: x's 1x128 quantization if the
-    caller already has it (then x itself is not read)."""
-    xq, wq = quantize_1x128(x) if x_fp8 is None else x_fp8, _quantize_weights(w)
-    return _fprop(xq, wq, sizes, x.dtype), (xq, wq, sizes, _dtype_marker(x), _dtype_marker(w))
+def _forward(x, w, sizes, x_kept: Quantized | None = None):
+    """y and the FP8 residuals (in ``quantize.as_residual`` form); w is (G, K, N).
+    ``x_kept``: x's 1x128 quantization in that form if the caller already has it (then x
+    itself is not read, and the caller's copy is the residual: GEMMs sharing it keep one)."""
+    x_kept = as_residual(quantize_1x128(x)) if x_kept is None else x_kept
+    wq = _quantize_weights(w)
+    return _fprop(from_residual(x_kept), wq, sizes, x.dtype), (
+        x_kept, as_residual(wq), sizes, _dtype_marker(x), _dtype_marker(w))
 
 
 @jax.custom_vjp
@@ -120,9 +126,10 @@ def fp8_grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                        x_fp8: Quantized | None = None) -> jax.Array:
     """Row r of group g: y[r] = x[r] @ w[g], x (M, K), w (G, K, N); FP8 operands.
 
-    ``x_fp8`` = ``quantize_1x128(x)`` where the caller has it already (tokens that travelled
-    in FP8): the GEMM takes it as is instead of re-rounding x, and x is then only the
-    straight-through handle of the gradient (x_fp8 gets none)."""
+    ``x_fp8`` = ``quantize.as_residual(quantize_1x128(x))`` where the caller has it
+    already (tokens that travelled in FP8; one copy for the gate and up GEMMs): the GEMM
+    takes it as is instead of re-rounding x and keeps it for backward, and x is then only
+    the straight-through handle of the gradient (x_fp8 gets none)."""
     return _forward(x, w, group_sizes.astype(jnp.int32), x_fp8)[0]
 
 
@@ -162,13 +169,14 @@ def _gated_fwd(gate, up, w, group_sizes, activation):
     wq = _quantize_weights(w)
     y = _fprop(quantize_1x128(_activate(gate, up, activation, gate.dtype)), wq, sizes,
                gate.dtype)
-    saved = (quantize_1x128(gate), quantize_1x128(up), wq, sizes, _dtype_marker(gate),
-             _dtype_marker(w))
+    saved = (as_residual(quantize_1x128(gate)), as_residual(quantize_1x128(up)),
+             as_residual(wq), sizes, _dtype_marker(gate), _dtype_marker(w))
     return y, saved
 
 
 def _gated_bwd(activation, res, dy):
     gate_q, up_q, wq, sizes, x_dtype, w_dtype = res
+    gate_q, up_q, wq = map(from_residual, (gate_q, up_q, wq))
     dtype = x_dtype.dtype
     gate, up = (dequantize(*q, row_tile=1) for q in (gate_q, up_q))  # FP32
     hidden, activation_vjp = jax.vjp(lambda g, u: _activate(g, u, activation, dtype), gate, up)

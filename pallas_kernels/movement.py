@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from pallas_kernels import movement_reference, triton_movement
 from pallas_kernels.backend import backend
 from pallas_kernels.group_schedule import AlignedLayout
-from pallas_kernels.quantize import dequantize, quantize_1x128
+from pallas_kernels.quantize import as_residual, dequantize, from_residual, quantize_1x128
 
 # Ops whose XLA compile of the reference already runs at the kernel's speed on a GPU, so
 # the GPU backends use the reference for them: combine's forward (mostly reads; XLA
@@ -150,13 +150,13 @@ def combine(y: jax.Array, permutation: jax.Array, weights: jax.Array,
 
 
 def _combine_fwd(y, permutation, weights, keep_fp8):
-    kept = quantize_1x128(y) if keep_fp8 else y
+    kept = as_residual(quantize_1x128(y)) if keep_fp8 else y
     return combine(y, permutation, weights, keep_fp8), (kept, permutation, weights)
 
 
 def _combine_bwd(keep_fp8, residuals, g):
     kept, permutation, weights = residuals
-    y = dequantize(*kept, row_tile=1).astype(g.dtype) if keep_fp8 else kept
+    y = dequantize(*from_residual(kept), row_tile=1).astype(g.dtype) if keep_fp8 else kept
     dy, dweights = _impl("combine_backward", (y.shape, y.dtype))(g, y, permutation, weights)
     return dy, None, dweights
 

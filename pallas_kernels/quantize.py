@@ -72,3 +72,21 @@ def expand_scale(scale: jax.Array, shape: tuple[int, int], row_tile: int) -> jax
 def dequantize(q: jax.Array, scale: jax.Array, row_tile: int) -> jax.Array:
     """FP32 value of a quantized (..., rows, cols) operand (row_tile as in expand_scale)."""
     return q.astype(jnp.float32) * expand_scale(scale, q.shape[-2:], row_tile)
+
+
+def as_residual(quantized: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """An FP8 (values, scales) pair as a custom VJP keeps it: the values as their uint8 bits.
+
+    Why: ``jax.checkpoint`` rounds every floating-point residual it saves with
+    ``reduce_precision`` to its dtype's ``finfo`` bits. For float8_e4m3fn (no infinities)
+    XLA reads 4 exponent bits IEEE-style, so the top binade (256-448, where every tile's
+    largest value lands) turned into NaN on XLA:CPU. Integers are saved untouched; the
+    bitcast is free."""
+    values, scales = quantized
+    return jax.lax.bitcast_convert_type(values, jnp.uint8), scales
+
+
+def from_residual(kept: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """The FP8 (values, scales) pair that ``as_residual`` kept."""
+    bits, scales = kept
+    return jax.lax.bitcast_convert_type(bits, FP8), scales

@@ -152,7 +152,7 @@ def test_combine_keeping_fp8_changes_only_the_weights_gradient(request):
         out, pullback = jax.vjp(lambda y, w: pk.combine(y, perm, w, keep), y, w)
         outs[keep] = out, *pullback(g)
         kept = [x for x in jax.tree.leaves(pullback) if getattr(x, "shape", None) == y.shape]
-        assert [x.dtype for x in kept] == [jnp.float8_e4m3fn if keep else jnp.bfloat16]
+        assert [x.dtype for x in kept] == [jnp.uint8 if keep else jnp.bfloat16]
     np.testing.assert_array_equal(outs[True][0], outs[False][0])
     np.testing.assert_array_equal(outs[True][1], outs[False][1])
     p, g64 = np.asarray(perm), np.asarray(g, np.float64)

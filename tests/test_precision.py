@@ -18,6 +18,7 @@ from flax import nnx
 from experiments.precision_study import largest_batch, parse_fit_cases, text_batches
 from experiments.precision_study import main as precision_study_main
 from moejax.config import ConfigError
+from moejax.memory.remat import with_policy
 from moejax.model import DeepseekV3
 from moejax.model.layers import DenseMLP, Linear
 from moejax.precision import (Precision, dense_matmul, grouped_linear, grouped_swiglu_linear,
@@ -384,3 +385,23 @@ def test_study_reports_held_out_loss_on_text_it_never_trained_on(capsys):
     with pytest.raises(SystemExit):
         precision_study_main(["--preset", "tiny", "--steps", "1", "--seeds", "0"])
     assert "--seeds 0: must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_fp8_linear_gradients_survive_every_remat_policy(policy):
+    """jax.checkpoint rounds each saved floating residual to its dtype's finfo bits; an FP8
+    residual read that way turned every tile's largest value (448) into NaN. The FP8
+    linears keep their FP8 copies as bits, so every policy gives the unwrapped gradients."""
+    kx, kw = jax.random.split(jax.random.key(len(policy)))
+    x = jax.random.normal(kx, (64, 256), jnp.bfloat16)
+    w = jax.random.normal(kw, (256, 128), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(fp8_linear(x, w).astype(jnp.float32) ** 2)
+
+    want = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+    got = jax.jit(jax.value_and_grad(with_policy(loss, policy), (0, 1)))(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.all(np.isfinite(np.asarray(a, np.float32)))
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-6, atol=0)

@@ -1,6 +1,8 @@
 """Named recompute policies for the decoder blocks, in one place.
 
-- ``none``: keep everything (no ``jax.checkpoint``).
+- ``none``: keep everything (a ``jax.checkpoint`` that saves everything: the pullback is
+  then built the way the other policies' are, which keeps their gradients bitwise equal to
+  ``none``'s when ``layer_scan`` differentiates one block with ``jax.vjp``).
 - ``selective``: recompute RMSNorm outputs, the MLA up-projections (q, k, v rebuilt from
   the latents), the SwiGLU products and the expert-sorted token copies (and their FP8
   copy) on one device; keep the rest (matmul outputs that are expensive to redo, the
@@ -95,13 +97,15 @@ def recomputable(fn: F, name: str) -> F:
 
 
 def with_policy(fn: F, policy: str) -> F:
-    """``fn`` (one block's forward) under the named recompute policy."""
+    """``fn`` (one block's forward) under the named recompute policy. ``prevent_cse`` is
+    off: ``layer_scan`` runs the forward and its recompute in separate loops, where XLA
+    cannot merge them."""
     if policy == "none":
-        return fn
-    if policy == "selective":
+        saveable = jax.checkpoint_policies.everything_saveable
+    elif policy == "selective":
         saveable = _selective
     elif policy == "full":
         saveable = jax.checkpoint_policies.nothing_saveable
     else:
         raise ValueError(f"remat policy {policy!r}: must be one of {POLICIES}")
-    return jax.checkpoint(fn, policy=saveable)
+    return jax.checkpoint(fn, policy=saveable, prevent_cse=False)

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import pallas_kernels
+from pallas_kernels.quantize import as_residual
 
 from moejax.memory.remat import DISPATCHED_TOKENS, recomputable
 
@@ -29,15 +30,17 @@ class Dispatched(NamedTuple):
     tokens: jax.Array  # (T*k, H) token copies sorted by expert
     group_sizes: jax.Array  # (E,) int32 rows per expert
     order: jax.Array  # (T*k,) sorted row j holds flat copy order[j] (= token*k + slot)
-    tokens_fp8: Any = None  # quantize_1x128(tokens) where asked, else None
+    tokens_fp8: Any = None  # quantize_1x128(tokens) in as_residual form where asked, else None
 
 
 def _copies(x: jax.Array, order: jax.Array, k: int, quantize: bool) -> tuple[jax.Array, Any]:
     rows = x.reshape(-1, x.shape[-1])
     # The FP8 copy (one fused pass over x, not a second pass over the copies) is what the
-    # FP8 expert GEMMs read and keep; gradients reach x through the 16-bit copies.
+    # FP8 expert GEMMs read and keep, in the form they keep it (so that the op's output,
+    # not a bitcast of it, is what backward holds); gradients reach x through the 16-bit
+    # copies.
     return (pallas_kernels.permute_rows(rows, order, k),
-            pallas_kernels.permute_quantized(jax.lax.stop_gradient(rows), order, k)
+            as_residual(pallas_kernels.permute_quantized(jax.lax.stop_gradient(rows), order, k))
             if quantize else None)
 
 

@@ -1,9 +1,10 @@
 """The DeepSeek-V3 decoder: embedding, stacked blocks, output head, and MTP modules.
 
 Blocks of one kind (dense, then MoE) are stacked along a leading layer axis and run with
-``jax.lax.scan``: one compiled block per kind whatever the depth, and a layer axis that a
-pipeline mesh axis can later shard. The aux-loss-free router biases of every MoE block
-(main blocks first, then the MTP blocks) live in one non-trainable (R, E) array.
+``layer_scan`` (``lax.scan``'s meaning, without zero-filled residual stacks): one compiled
+block per kind whatever the depth, and a layer axis that a pipeline mesh axis can shard.
+The aux-loss-free router biases of every MoE block (main blocks first, then the MTP
+blocks) live in one non-trainable (R, E) array.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from moejax.config import ConfigError, ModelConfig
 from moejax.memory.remat import POLICIES, with_policy
 from moejax.model.decoder import BlockOutput, DecoderBlock
 from moejax.model.head_loss import head_cross_entropy
+from moejax.model.layer_scan import layer_scan
 from moejax.model.layers import Linear, RMSNorm
 from moejax.model.rope import rope_tables
 from moejax.model.routing import RoutingStats
@@ -75,12 +77,12 @@ def run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array,
     per-block routing stats stacked."""
     graphdef, state = nnx.split(stack)
 
-    def step(carry: jax.Array, xs: tuple) -> tuple[jax.Array, RoutingStats]:
+    def step(carry: jax.Array, xs: tuple, rope: tuple) -> tuple[jax.Array, RoutingStats]:
         block_state, bias = xs
-        out = nnx.merge(graphdef, block_state)(carry, cos, sin, bias)
+        out = nnx.merge(graphdef, block_state)(carry, *rope, bias)
         return out.h, out.stats
 
-    h, per_block = jax.lax.scan(with_policy(step, remat), h, (state, biases))
+    h, per_block = layer_scan(with_policy(step, remat), h, (state, biases), (cos, sin))
     return BlockOutput(h, per_block)
 
 

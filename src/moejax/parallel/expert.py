@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from pallas_kernels.quantize import from_residual
 from pallas_kernels.varying import mark_varying
 from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import combine, dispatch
@@ -311,11 +312,11 @@ def _pack_fp8(tokens: jax.Array, scales: jax.Array) -> jax.Array:
 
 def _unpack_fp8(packed: jax.Array, hidden: int, dtype: jnp.dtype
                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Arrived byte rows -> (dequantized rows in ``dtype``, (FP8 values, 1x128 scales))."""
-    tokens = jax.lax.bitcast_convert_type(packed[:, :hidden], jnp.float8_e4m3fn)
+    """Arrived byte rows -> (dequantized rows in ``dtype``, (FP8 values, 1x128 scales) in
+    the ``as_residual`` form the FP8 GEMMs take: the values stay the bytes that arrived)."""
     scale_bytes = packed[:, hidden:].reshape(packed.shape[0], -1, 4)
-    quantized = tokens, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
-    return pallas_kernels.dequantize(*quantized, 1).astype(dtype), quantized
+    kept = packed[:, :hidden], jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+    return pallas_kernels.dequantize(*from_residual(kept), 1).astype(dtype), kept
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

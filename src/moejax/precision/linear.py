@@ -109,7 +109,8 @@ def swiglu_linear(gate: jax.Array, up: jax.Array, kernel: jax.Array, precision: 
 def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                    precision: Precision, x_fp8: Any = None) -> jax.Array:
     """Row r of group g: ``x[r] @ w[g]``; x (M, in), w (G, in, out), in x's dtype.
-    ``x_fp8``: x's ``quantize_1x128`` when it exists already (FP8 uses it; BF16 ignores it)."""
+    ``x_fp8``: x's ``quantize_1x128`` in ``pallas_kernels.quantize.as_residual`` form when
+    it exists already (FP8 uses it; BF16 ignores it)."""
     if precision is Precision.FP8:
         return fp8_grouped_linear(x, w, group_sizes, x_fp8)
     return grouped_gemm(x, w, group_sizes)

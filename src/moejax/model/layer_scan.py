@@ -1,0 +1,237 @@
+"""A scan over stacked layers whose backward residuals are never zero-filled.
+
+Why: under autodiff, ``jax.lax.scan`` stacks each layer's residuals as the scan's outputs,
+and JAX lowers a scan's outputs as zero-initialised buffers (``lax.broadcast`` of a zero).
+XLA then writes zeros over every residual stack, and over every weight-gradient stack of
+the backward scan, once per step, only to overwrite them layer by layer: 6.9 ms of a
+166 ms `small` step on the H100 (docs/performance.md, session 14).
+
+``layer_scan`` has the same meaning as ``lax.scan(lambda c, x: step(c, x, consts), carry,
+xs)``. Its custom VJP runs the layers as a loop that writes what ``jax.vjp`` of one layer
+keeps (under the step's own remat policy) into ``lax.empty`` stacks, uninitialised on GPU
+and TPU, and a reverse loop that reads them back, writing the stacked input gradients
+into ``lax.empty`` stacks too. A residual that is the layer's own input slice (its
+weights) or one of ``consts`` is not copied: backward reads it from the inputs, as
+``lax.scan``'s partial evaluation does; one that no layer input changes (a mask built
+from the constants) is computed once, as ``lax.scan`` hoists it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+Step = Callable[[Any, Any, Any], tuple[Any, Any]]  # (carry, x, consts) -> (carry, y)
+
+
+def layer_scan(step: Step, carry: Any, xs: Any, consts: Any) -> tuple[Any, Any]:
+    """``step`` over the leading axis of ``xs``: returns the last carry and the stacked ys.
+    ``step`` must not close over traced values (pass them in ``consts``)."""
+    _length(xs)
+    return _scan(step, carry, xs, consts)
+
+
+def _length(xs: Any) -> int:
+    lengths = {leaf.shape[0] for leaf in jax.tree.leaves(xs)}
+    if len(lengths) != 1:
+        raise ValueError(f"layer_scan: xs leaves need one common leading length, got "
+                         f"{sorted(lengths)}")
+    return lengths.pop()
+
+
+def _index(tree: Any, i: jax.Array) -> Any:
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _stack_into(stacks: list[jax.Array], values: list[jax.Array], i: jax.Array
+                ) -> list[jax.Array]:
+    return [lax.dynamic_update_index_in_dim(s, v, i, 0) for s, v in zip(stacks, values)]
+
+
+def _empty_stacks(length: int, avals: list[Any]) -> list[jax.Array]:
+    return [lax.empty((length, *a.shape), a.dtype) for a in avals]
+
+
+def _differentiable(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _zero_cotangent(aval: Any) -> np.ndarray:
+    """The cotangent of an integer value (a float0 zero)."""
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+class _Plan(NamedTuple):
+    """Where each of one layer's ``jax.vjp`` residuals is kept: ``sources[j]`` is ("stack",
+    n) for the n-th per-layer stack, ("once", n) for the n-th residual that no layer input
+    changes (computed once, as ``lax.scan`` hoists it), ("x", n) / ("const", n) for the n-th
+    leaf of the layer's input slice / of ``consts``, ("fixed", n) for the n-th concrete
+    constant."""
+    treedef: Any
+    sources: tuple[tuple[str, int], ...]
+
+
+def _layer_vjp(step: Step, carry: Any, x: Any, consts: Any) -> tuple[Any, list[Any], Any]:
+    """One layer's outputs and its pullback's residual leaves and structure."""
+    out, vjp = jax.vjp(step, carry, x, consts)
+    leaves, treedef = jax.tree.flatten(vjp)
+    return out, leaves, treedef
+
+
+def _layer_dependent(jaxpr: Any, layer_inputs: int) -> list[bool]:
+    """For each output of ``jaxpr``, whether it depends on its first ``layer_inputs``
+    inputs (an equation's outputs depend on exactly its inputs: the ops are pure)."""
+    tainted = set(jaxpr.invars[:layer_inputs])
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jex_core.Var) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return [isinstance(v, jex_core.Var) and v in tainted for v in jaxpr.outvars]
+
+
+class _Probe(NamedTuple):
+    plan: _Plan
+    y_avals: Any
+    stacked_avals: list[Any]
+    fixed: list[Any]
+
+
+def _probe(step: Step, carry: Any, x_avals: Any, consts: Any) -> _Probe:
+    """Traces one layer abstractly and decides where each residual is kept."""
+    found = {}
+
+    def residuals(carry, x, consts):
+        out, leaves, treedef = _layer_vjp(step, carry, x, consts)
+        x_ids = {id(leaf): n for n, leaf in enumerate(jax.tree.leaves(x))}
+        const_ids = {id(leaf): n for n, leaf in enumerate(jax.tree.leaves(consts))}
+        kinds = [("x", x_ids[id(v)]) if id(v) in x_ids else
+                 ("const", const_ids[id(v)]) if id(v) in const_ids else
+                 ("computed", -1) if isinstance(v, jax.core.Tracer) else ("fixed", -1)
+                 for v in leaves]
+        found.update(treedef=treedef, kinds=kinds,
+                     fixed=[v for v, (k, _) in zip(leaves, kinds) if k == "fixed"])
+        return out, [v for v, (k, _) in zip(leaves, kinds) if k == "computed"]
+
+    closed, (out_avals, computed_avals) = jax.make_jaxpr(residuals, return_shape=True)(
+        carry, x_avals, consts)
+    depends = _layer_dependent(closed.jaxpr, len(jax.tree.leaves((carry, x_avals))))
+    depends = iter(depends[len(depends) - len(computed_avals):])
+    counts = {"stack": 0, "once": 0, "fixed": 0}
+    sources, stacked_avals = [], []
+    computed = iter(computed_avals)
+    for kind, n in found["kinds"]:
+        if kind == "computed":
+            aval = next(computed)
+            kind = "stack" if next(depends) else "once"
+            if kind == "stack":
+                stacked_avals.append(aval)
+        if kind in counts:
+            n = counts[kind]
+            counts[kind] += 1
+        sources.append((kind, n))
+    return _Probe(_Plan(found["treedef"], tuple(sources)), out_avals[1], stacked_avals,
+                  found["fixed"])
+
+
+def _kept(plan: _Plan, leaves: list[Any], kind: str) -> list[Any]:
+    """The residual leaves of one layer that the plan keeps as ``kind``."""
+    if len(leaves) != len(plan.sources):
+        raise AssertionError("layer_scan: a layer's residuals differ between traces")
+    return [v for v, (k, _) in zip(leaves, plan.sources) if k == kind]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan(step: Step, carry: Any, xs: Any, consts: Any) -> tuple[Any, Any]:
+    return lax.scan(lambda c, x: step(c, x, consts), carry, xs)
+
+
+class _Residuals:
+    """What backward reads: the stacks, the inputs they point into, the residuals kept
+    once, and (static, in the pytree's aux data) the plan and the ys' types."""
+
+    def __init__(self, plan: _Plan, y_avals: Any, stacks: list, xs: Any, consts: Any,
+                 once: list, fixed: list) -> None:
+        self.plan, self.y_avals = plan, y_avals
+        self.stacks, self.xs, self.consts, self.once, self.fixed = stacks, xs, consts, once, fixed
+
+
+jax.tree_util.register_pytree_node(
+    _Residuals,
+    lambda r: ((r.stacks, r.xs, r.consts, r.once, r.fixed), (r.plan, r.y_avals)),
+    lambda aux, children: _Residuals(*aux, *children))
+
+
+def _scan_fwd(step: Step, carry: Any, xs: Any, consts: Any) -> tuple[tuple[Any, Any], Any]:
+    length = _length(xs)
+    x_avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
+    probe = _probe(step, carry, x_avals, consts)
+    once = []
+    if any(kind == "once" for kind, _ in probe.plan.sources):
+        # Layer 0's values; XLA drops the rest of this extra trace.
+        once = _kept(probe.plan, _layer_vjp(step, carry, _index(xs, 0), consts)[1], "once")
+    ys = jax.tree.map(lambda a: lax.empty((length, *a.shape), a.dtype), probe.y_avals)
+
+    def body(i, state):
+        carry, stacks, ys = state
+        (carry, y), leaves, _ = _layer_vjp(step, carry, _index(xs, i), consts)
+        ys = jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), ys, y)
+        return carry, _stack_into(stacks, _kept(probe.plan, leaves, "stack"), i), ys
+
+    carry, stacks, ys = lax.fori_loop(
+        0, length, body, (carry, _empty_stacks(length, probe.stacked_avals), ys))
+    fixed = [jnp.asarray(v) for v in probe.fixed]
+    return (carry, ys), _Residuals(probe.plan, probe.y_avals, stacks, xs, consts, once, fixed)
+
+
+def _layer_cotangent(ct_ys: Any, y_avals: Any, i: jax.Array) -> Any:
+    return jax.tree.map(
+        lambda ct, aval: (lax.dynamic_index_in_dim(ct, i, 0, keepdims=False)
+                          if _differentiable(aval.dtype) else _zero_cotangent(aval)),
+        ct_ys, y_avals)
+
+
+def _rebuild_vjp(res: _Residuals, i: jax.Array, x: Any):
+    stacked = [lax.dynamic_index_in_dim(s, i, 0, keepdims=False) for s in res.stacks]
+    pools = {"stack": stacked, "x": jax.tree.leaves(x), "const": jax.tree.leaves(res.consts),
+             "once": res.once, "fixed": res.fixed}
+    return jax.tree.unflatten(res.plan.treedef,
+                              [pools[kind][n] for kind, n in res.plan.sources])
+
+
+def _scan_bwd(step: Step, res: _Residuals, cts: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+    del step  # the residuals carry the layer's pullback
+    ct_carry, ct_ys = cts
+    length = _length(res.xs)
+    x_leaves, x_tree = jax.tree.flatten(res.xs)
+    x_diff = [_differentiable(leaf.dtype) for leaf in x_leaves]
+    const_leaves, const_tree = jax.tree.flatten(res.consts)
+    const_diff = [_differentiable(leaf.dtype) for leaf in const_leaves]
+
+    def body(j, state):
+        ct_carry, dx_stacks, dconsts = state
+        i = length - 1 - j
+        vjp = _rebuild_vjp(res, i, _index(res.xs, i))
+        ct_carry, dx, dc = vjp((ct_carry, _layer_cotangent(ct_ys, res.y_avals, i)))
+        dx = [v for v, d in zip(jax.tree.leaves(dx), x_diff) if d]
+        dc = [v for v, d in zip(jax.tree.leaves(dc), const_diff) if d]
+        return ct_carry, _stack_into(dx_stacks, dx, i), [a + b for a, b in zip(dconsts, dc)]
+
+    dx_avals = [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+                for leaf, d in zip(x_leaves, x_diff) if d]
+    dconsts = [jnp.zeros_like(leaf) for leaf, d in zip(const_leaves, const_diff) if d]
+    ct_carry, dx_stacks, dconsts = lax.fori_loop(
+        0, length, body, (ct_carry, _empty_stacks(length, dx_avals), dconsts))
+    dx_iter, dc_iter = iter(dx_stacks), iter(dconsts)
+    dxs = x_tree.unflatten([next(dx_iter) if d else _zero_cotangent(leaf)
+                            for leaf, d in zip(x_leaves, x_diff)])
+    dcs = const_tree.unflatten([next(dc_iter) if d else _zero_cotangent(leaf)
+                                for leaf, d in zip(const_leaves, const_diff)])
+    return ct_carry, dxs, dcs
+
+
+_scan.defvjp(_scan_fwd, _scan_bwd)
