@@ -41,7 +41,8 @@ from pallas_kernels.quantize import (TILE, as_residual, dequantize, from_residua
 
 _quantize_weights = jax.vmap(quantize_128x128)
 
-# A saved FP8 operand: values and their FP32 tile scales.
+# An FP8 operand: values and their FP32 tile scales (saved as ``quantize.as_residual`` keeps
+# them: the values as uint8 bits).
 Quantized = tuple[jax.Array, jax.Array]
 
 

@@ -87,6 +87,10 @@ def as_residual(quantized: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.
 
 
 def from_residual(kept: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """The FP8 (values, scales) pair that ``as_residual`` kept."""
+    """The FP8 (values, scales) pair that ``as_residual`` kept. FP8 values in are refused:
+    a caller passing them would bring back the NaN that ``as_residual`` avoids."""
     bits, scales = kept
+    if bits.dtype != jnp.uint8:
+        raise TypeError(f"from_residual wants the uint8 bits that as_residual keeps, got "
+                        f"{bits.dtype} values")
     return jax.lax.bitcast_convert_type(bits, FP8), scales

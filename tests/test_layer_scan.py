@@ -69,6 +69,8 @@ def test_layer_scan_rejects_ragged_layer_axes():
     h0, w, b, c = _inputs(0)
     with pytest.raises(ValueError, match="common leading length"):
         ls.layer_scan(_step, h0, (w, b[:2]), c)
+    with pytest.raises(ValueError, match="at least one layer"):
+        ls.layer_scan(_step, h0, (w[:0], b[:0]), c)
 
 
 @pytest.mark.gpu

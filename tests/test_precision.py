@@ -27,7 +27,8 @@ from moejax.train.checkpoint import RESUMABLE_CHANGES
 from moejax.train.config import TRAIN_PRESETS, apply_overrides
 from moejax.train.step import make_train_step, state_initializer
 from pallas_kernels import fp8_linear
-from pallas_kernels.quantize import TILE, dequantize, quantize_1x128, quantize_128x128
+from pallas_kernels.quantize import (TILE, dequantize, from_residual, quantize_1x128,
+                                     quantize_128x128)
 
 FP8_GRAD_TOL = 0.06  # norm-wise relative error of one E4M3 GEMM (two rounded operands)
 FP8_CHAIN_TOL = 0.1  # two FP8 GEMMs in series (an MLP's up and down projections)
@@ -399,6 +400,8 @@ def test_fp8_linear_gradients_survive_every_remat_policy(policy):
     def loss(x, w):
         return jnp.sum(fp8_linear(x, w).astype(jnp.float32) ** 2)
 
+    with pytest.raises(TypeError, match="uint8 bits"):  # FP8 values passed as if kept
+        from_residual(quantize_1x128(x))
     want = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
     got = jax.jit(jax.value_and_grad(with_policy(loss, policy), (0, 1)))(x, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

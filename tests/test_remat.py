@@ -44,8 +44,8 @@ def _saved_residual_bytes(remat):
 
 @pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP8])
 def test_selective_regathers_the_dispatched_copies(precision):
-    """The T*k expert-sorted token copies (16-bit, or FP8 with scales) are kept without a
-    checkpoint and not under selective, which keeps the tokens and the order instead. The
+    """The T*k expert-sorted token copies (16-bit, or FP8 bits with scales) are kept under
+    ``none`` and not under selective, which keeps the tokens and the order instead. The
     expert outputs, of the same shape, are combine's residual under both."""
     copies = 2 * 64 * CONFIG.num_experts_per_tok
     def kept(remat):
@@ -79,7 +79,7 @@ def test_policies_keep_less():
 
 def test_recomputable_op_is_recomputed_under_selective_only():
     """A value made by a ``recomputable`` op is not kept by ``selective`` (its input is), is
-    kept without a checkpoint, and its gradients are those of the plain function."""
+    kept under ``none``, and its gradients are those of the plain function."""
     def cheap(x):  # stands for a norm: the value selective should not keep
         return jnp.tanh(x) * 3.0
 

@@ -70,8 +70,8 @@ def _selective(prim: Any, *_: Any, **params: Any) -> bool:
 def recomputable(fn: F, name: str) -> F:
     """``fn`` (arrays in, a pytree of arrays out) as one op whose outputs ``selective``
     recomputes. Backward keeps ``fn``'s inputs and differentiates ``fn`` afresh from them;
-    XLA drops the forward values that the pullback does not use, so without a checkpoint
-    (policy ``none``) this costs nothing over differentiating ``fn`` directly. ``fn`` must
+    XLA drops the forward values that the pullback does not use, so under a policy that
+    keeps everything (``none``) this costs nothing over differentiating ``fn`` directly. ``fn`` must
     not close over traced values: pass them as arguments. Under shard_map every argument is
     first typed as varying over the axes any of them varies over (a custom VJP's cotangents
     must keep their arguments' types; autodiff then sums the per-device ones).
@@ -99,7 +99,8 @@ def recomputable(fn: F, name: str) -> F:
 def with_policy(fn: F, policy: str) -> F:
     """``fn`` (one block's forward) under the named recompute policy. ``prevent_cse`` is
     off: ``layer_scan`` runs the forward and its recompute in separate loops, where XLA
-    cannot merge them."""
+    cannot merge them. Elsewhere, where a recompute could be merged into the forward it
+    replays, this wrapper would lose its saving."""
     if policy == "none":
         saveable = jax.checkpoint_policies.everything_saveable
     elif policy == "selective":

@@ -6,8 +6,8 @@ XLA then writes zeros over every residual stack, and over every weight-gradient 
 the backward scan, once per step, only to overwrite them layer by layer: 6.9 ms of a
 166 ms `small` step on the H100 (docs/performance.md, session 14).
 
-``layer_scan`` has the same meaning as ``lax.scan(lambda c, x: step(c, x, consts), carry,
-xs)``. Its custom VJP runs the layers as a loop that writes what ``jax.vjp`` of one layer
+``layer_scan`` computes what ``lax.scan(lambda c, x: step(c, x, consts), carry, xs)``
+does. Its custom VJP runs the layers as a loop that writes what ``jax.vjp`` of one layer
 keeps (under the step's own remat policy) into ``lax.empty`` stacks, uninitialised on GPU
 and TPU, and a reverse loop that reads them back, writing the stacked input gradients
 into ``lax.empty`` stacks too. A residual that is the layer's own input slice (its
@@ -32,7 +32,9 @@ Step = Callable[[Any, Any, Any], tuple[Any, Any]]  # (carry, x, consts) -> (carr
 
 def layer_scan(step: Step, carry: Any, xs: Any, consts: Any) -> tuple[Any, Any]:
     """``step`` over the leading axis of ``xs``: returns the last carry and the stacked ys.
-    ``step`` must not close over traced values (pass them in ``consts``)."""
+    ``step`` must not close over traced values (pass them in ``consts``). Narrower than
+    ``lax.scan``: reverse mode only (a custom VJP: ``jax.jvp`` refuses it), at least one
+    layer, and the cotangents of every input are computed (XLA drops the unused ones)."""
     _length(xs)
     return _scan(step, carry, xs, consts)
 
@@ -42,7 +44,10 @@ def _length(xs: Any) -> int:
     if len(lengths) != 1:
         raise ValueError(f"layer_scan: xs leaves need one common leading length, got "
                          f"{sorted(lengths)}")
-    return lengths.pop()
+    length = lengths.pop()
+    if length < 1:
+        raise ValueError("layer_scan: xs need at least one layer, got a leading length of 0")
+    return length
 
 
 def _index(tree: Any, i: jax.Array) -> Any:
@@ -109,12 +114,14 @@ def _probe(step: Step, carry: Any, x_avals: Any, consts: Any) -> _Probe:
         out, leaves, treedef = _layer_vjp(step, carry, x, consts)
         x_ids = {id(leaf): n for n, leaf in enumerate(jax.tree.leaves(x))}
         const_ids = {id(leaf): n for n, leaf in enumerate(jax.tree.leaves(consts))}
+        # A zero-size residual carries no data: kept as a concrete empty array.
         kinds = [("x", x_ids[id(v)]) if id(v) in x_ids else
                  ("const", const_ids[id(v)]) if id(v) in const_ids else
-                 ("computed", -1) if isinstance(v, jax.core.Tracer) else ("fixed", -1)
-                 for v in leaves]
+                 ("computed", -1) if isinstance(v, jax.core.Tracer) and v.size else
+                 ("fixed", -1) for v in leaves]
         found.update(treedef=treedef, kinds=kinds,
-                     fixed=[v for v, (k, _) in zip(leaves, kinds) if k == "fixed"])
+                     fixed=[np.zeros(v.shape, v.dtype) if isinstance(v, jax.core.Tracer) else v
+                            for v, (k, _) in zip(leaves, kinds) if k == "fixed"])
         return out, [v for v, (k, _) in zip(leaves, kinds) if k == "computed"]
 
     closed, (out_avals, computed_avals) = jax.make_jaxpr(residuals, return_shape=True)(
@@ -143,6 +150,13 @@ def _kept(plan: _Plan, leaves: list[Any], kind: str) -> list[Any]:
     if len(leaves) != len(plan.sources):
         raise AssertionError("layer_scan: a layer's residuals differ between traces")
     return [v for v, (k, _) in zip(leaves, plan.sources) if k == kind]
+
+
+def _check_types(values: list[Any], avals: list[Any]) -> list[Any]:
+    """``values``, after checking that they have the probe's shapes and dtypes."""
+    if [(v.shape, v.dtype) for v in values] != [(a.shape, a.dtype) for a in avals]:
+        raise AssertionError("layer_scan: a layer's residuals differ from the probe's")
+    return values
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -180,7 +194,8 @@ def _scan_fwd(step: Step, carry: Any, xs: Any, consts: Any) -> tuple[tuple[Any, 
         carry, stacks, ys = state
         (carry, y), leaves, _ = _layer_vjp(step, carry, _index(xs, i), consts)
         ys = jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), ys, y)
-        return carry, _stack_into(stacks, _kept(probe.plan, leaves, "stack"), i), ys
+        stacked = _check_types(_kept(probe.plan, leaves, "stack"), probe.stacked_avals)
+        return carry, _stack_into(stacks, stacked, i), ys
 
     carry, stacks, ys = lax.fori_loop(
         0, length, body, (carry, _empty_stacks(length, probe.stacked_avals), ys))

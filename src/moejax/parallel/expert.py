@@ -326,7 +326,8 @@ def _dispatch_fp8(transport: Transport, num_experts: int, num_experts_per_token:
     """Sort + FP8-quantize (one fused pass), exchange the bytes, dequantize on arrival.
 
     Returns what arrived, in ``x``'s dtype, the sender's sort permutation, and the arrived
-    rows as they travelled (FP8 values, 1x128 scales) for FP8 GEMMs to take as is (then
+    rows as they travelled (FP8 values as uint8 bits, 1x128 scales: ``as_residual`` form)
+    for FP8 GEMMs to take as is (then
     the dequantized copy is dead code). The backward treats quantization as identity
     (straight-through) and sends the gradient back in ``x``'s dtype, as DeepSeek-V3's
     combine-side communication does.
