@@ -54,13 +54,14 @@ def _index(tree: Any, i: jax.Array) -> Any:
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def _stack_into(stacks: list[jax.Array], values: list[jax.Array], i: jax.Array
-                ) -> list[jax.Array]:
-    return [lax.dynamic_update_index_in_dim(s, v, i, 0) for s, v in zip(stacks, values)]
+def _stack_into(stacks: Any, values: Any, i: jax.Array) -> Any:
+    """``values`` written into slot ``i`` of the matching ``stacks`` (same tree)."""
+    return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), stacks, values)
 
 
-def _empty_stacks(length: int, avals: list[Any]) -> list[jax.Array]:
-    return [lax.empty((length, *a.shape), a.dtype) for a in avals]
+def _empty_stacks(length: int, avals: Any) -> Any:
+    """Uninitialised (length, ...) stacks for a tree of per-layer types."""
+    return jax.tree.map(lambda a: lax.empty((length, *a.shape), a.dtype), avals)
 
 
 def _differentiable(dtype: Any) -> bool:
@@ -188,17 +189,14 @@ def _scan_fwd(step: Step, carry: Any, xs: Any, consts: Any) -> tuple[tuple[Any, 
     if any(kind == "once" for kind, _ in probe.plan.sources):
         # Layer 0's values; XLA drops the rest of this extra trace.
         once = _kept(probe.plan, _layer_vjp(step, carry, _index(xs, 0), consts)[1], "once")
-    ys = jax.tree.map(lambda a: lax.empty((length, *a.shape), a.dtype), probe.y_avals)
-
     def body(i, state):
         carry, stacks, ys = state
         (carry, y), leaves, _ = _layer_vjp(step, carry, _index(xs, i), consts)
-        ys = jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), ys, y)
         stacked = _check_types(_kept(probe.plan, leaves, "stack"), probe.stacked_avals)
-        return carry, _stack_into(stacks, stacked, i), ys
+        return carry, _stack_into(stacks, stacked, i), _stack_into(ys, y, i)
 
-    carry, stacks, ys = lax.fori_loop(
-        0, length, body, (carry, _empty_stacks(length, probe.stacked_avals), ys))
+    carry, stacks, ys = lax.fori_loop(0, length, body, (
+        carry, _empty_stacks(length, probe.stacked_avals), _empty_stacks(length, probe.y_avals)))
     fixed = [jnp.asarray(v) for v in probe.fixed]
     return (carry, ys), _Residuals(probe.plan, probe.y_avals, stacks, xs, consts, once, fixed)
 
@@ -211,9 +209,8 @@ def _layer_cotangent(ct_ys: Any, y_avals: Any, i: jax.Array) -> Any:
 
 
 def _rebuild_vjp(res: _Residuals, i: jax.Array, x: Any):
-    stacked = [lax.dynamic_index_in_dim(s, i, 0, keepdims=False) for s in res.stacks]
-    pools = {"stack": stacked, "x": jax.tree.leaves(x), "const": jax.tree.leaves(res.consts),
-             "once": res.once, "fixed": res.fixed}
+    pools = {"stack": _index(res.stacks, i), "x": jax.tree.leaves(x),
+             "const": jax.tree.leaves(res.consts), "once": res.once, "fixed": res.fixed}
     return jax.tree.unflatten(res.plan.treedef,
                               [pools[kind][n] for kind, n in res.plan.sources])
 
