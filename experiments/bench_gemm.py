@@ -384,6 +384,88 @@ def emit(rows: list[Row], row: Row) -> None:
     print(format_row(row), flush=True)
 
 
+SMALL_TOKENS = 16384  # the small preset's batch 16 x 1024
+SMALL_DENSE_WGRAD = [(1024, 320), (1024, 384), (384, 1536), (256, 2048), (1024, 1024),
+                     (1408, 1024)]  # (P, Q) of its dense FP8 wgrads: dW (P, Q) = x^T dy
+SMALL_EXPERTS = (64, 98304, 704, 1024)  # (G, rows = tokens x top-6, K, N): the down projection
+
+
+def small_fp8_rows() -> list[Row]:
+    """The `small` preset's FP8 GEMMs that its step trace showed wasting the GPU, each
+    against what it replaced, on one H100:
+    - dense wgrads over 16384 tokens: few output tiles of long K, so without split-K most
+      SMs idle (comparators: our kernel unsplit, and the BF16 dot XLA gives to cuBLAS);
+    - the expert down projection, K = 704: now a chained 3-deep ring read as 64-byte
+      swizzle rows (comparators: the former path, K padded to 768 by XLA and an unchained
+      4-deep ring; and our BF16 grouped GEMM)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    from pallas_kernels import mosaic_gemm, reference
+    from pallas_kernels.quantize import dequantize
+    from pallas_kernels.triton_gemm import _pad_axis
+
+    sync = jax.block_until_ready
+    key = iter(jax.random.split(jax.random.key(1), 100))
+    rows: list[Row] = []
+
+    def timed(fns: dict[str, Callable[[], object]]) -> dict[str, float | str]:
+        out: dict[str, float | str] = {}
+        for name, fn in fns.items():
+            try:
+                out[name] = median_time(fn, sync)
+            except Exception as e:  # a comparator that cannot run says so in its cell
+                out[name] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+        return out
+
+    t = SMALL_TOKENS
+    for p, q in SMALL_DENSE_WGRAD:
+        x = jax.random.normal(next(key), (t, p), jnp.bfloat16)
+        dy = jax.random.normal(next(key), (t, q), jnp.bfloat16)
+        (xq, xs), (dq, ds) = pk.quantize_along_tokens(x), pk.quantize_along_tokens(dy)
+        sizes = jnp.array([t], jnp.int32)
+        wgrad = lambda xq, dq, xs, ds, sizes, split=None: mosaic_gemm.scaled_grouped_matmul_tn(
+            xq, dq, sizes, x_scale=xs, y_scale=ds, out_dtype=jnp.float32, split=split)
+        fns = {"ours": bind(wgrad, xq, dq, xs, ds, sizes),
+               "unsplit": bind(functools.partial(wgrad, split=1), xq, dq, xs, ds, sizes),
+               "xla_bf16_dot": bind(lambda x, dy: jnp.dot(x.T, dy, preferred_element_type=jnp.float32), x, dy)}
+        times = timed(fns)
+        err = rel_err(fns["ours"], bind(lambda xq, dq, xs, ds, sizes: reference.grouped_matmul_tn(
+            xq, dq, sizes, x_scale=xs, y_scale=ds, token_major=False, out_dtype=jnp.float32),
+            xq, dq, xs, ds, sizes))
+        split = mosaic_gemm.token_split(mosaic_gemm.cdiv(p, 128) * mosaic_gemm.cdiv(q, 128),
+                                        t // 128)
+        rows.append(Row(f"fp8 dense wgrad (split {split})", f"{t}->{p}x{q}", 2 * t * p * q,
+                        t * (p + q) + p * q * 4, "fp8", times.pop("ours"), err, times))
+    g, m, k, n = SMALL_EXPERTS
+    sizes = jnp.asarray(group_sizes(g, m), jnp.int32)
+    a = jax.random.normal(next(key), (m, k), jnp.bfloat16)
+    w = jax.random.normal(next(key), (g, n, k), jnp.bfloat16)
+    aq, as_ = pk.quantize_1x128(a)
+    wq, ws = jax.jit(jax.vmap(pk.quantize_128x128))(w)
+    fprop = lambda aq, wq, as_, ws, sizes, cfg=None: mosaic_gemm.scaled_grouped_matmul(
+        aq, wq, sizes, a_scale=as_, b_scale=ws, cfg=cfg)
+    unchained = mosaic_gemm.MosaicConfig(chain=False)
+    fns = {"ours": bind(fprop, aq, wq, as_, ws, sizes),
+           "padded_768_unchained": bind(lambda aq, wq, as_, ws, sizes: fprop(
+               _pad_axis(aq, 1, 128), _pad_axis(wq, 2, 128), as_, ws, sizes, unchained),
+               aq, wq, as_, ws, sizes),
+           "bf16_grouped_ours": bind(lambda a, w, sizes: pk.grouped_gemm(
+               a, jnp.swapaxes(w, 1, 2), sizes), a, w, sizes)}
+    times = timed(fns)
+    ends = np.cumsum(np.asarray(sizes))[:3]  # the first three groups (a 64-group FP32
+    first = ends - np.asarray(sizes)[:3]     # reference of every row would not fit)
+    err = rel_err(lambda: jnp.concatenate([fns["ours"]()[lo:hi] for lo, hi in zip(first, ends)]),
+                  lambda: jnp.concatenate([
+                      jnp.dot(dequantize(aq[lo:hi], as_[lo:hi], 1),
+                              dequantize(wq[i], ws[i], 128).T, precision="highest")
+                      for i, (lo, hi) in enumerate(zip(first, ends))]))
+    rows.append(Row("fp8 grouped fprop (K % 128 != 0)", f"{g}x{m}x{k}->{n}", 2 * m * k * n,
+                    m * k + g * n * k + m * n * 2, "fp8", times.pop("ours"), err, times))
+    return rows
+
+
 def fmt(v: float | str, flops: float) -> str:
     return f"{tflops(flops, v):.0f}" if isinstance(v, float) else str(v)[:40]
 
@@ -393,15 +475,17 @@ def main() -> None:
     ap.add_argument("--torch-worker", action="store_true")
     ap.add_argument("--quick", action="store_true", help="first shapes only")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs first")
-    ap.add_argument("--only", choices=("dense", "grouped", "fp8_wgrad"), default=None,
+    ap.add_argument("--only", choices=("dense", "grouped", "fp8_wgrad", "small_fp8"),
+                    default=None,
                     help="one table only (each fits one device call); fp8_wgrad: the grouped "
-                         "FP8 wgrad rows alone")
+                         "FP8 wgrad rows alone; small_fp8: the small preset's FP8 GEMMs that "
+                         "split-K and the chained short-K ring changed")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.torch_worker:
         print("TORCHJSON " + json.dumps(torch_worker(args.quick, args.only)))
         return
-    torch_res = {} if args.only == "fp8_wgrad" else run_torch(args.quick, args.only)
+    torch_res = {} if args.only in ("fp8_wgrad", "small_fp8") else run_torch(args.quick, args.only)
     import jax
 
     from pallas_kernels import triton_gemm as tg
@@ -419,7 +503,8 @@ def main() -> None:
     cfgs = tune(cands) if args.tune else {k: v[0] for k, v in cands.items()}
     print("configs:", cfgs)
     print(HEADER)
-    rows = jax_rows(args.quick, torch_res, cfgs, args.only)
+    rows = small_fp8_rows() if args.only == "small_fp8" else jax_rows(
+        args.quick, torch_res, cfgs, args.only)
     print(HEADER)
     for r in rows:
         print(format_row(r))

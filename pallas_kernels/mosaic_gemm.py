@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import mosaic_common
 from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, persistent_call,
                                            store_rows, tile_visit, tma_ready, visit_ends,
                                            wgrad_tile)
@@ -42,15 +43,21 @@ from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
 TILE_N = TILE  # columns per CTA: one 128x128 weight block scale per K step
 FP8_SWIZZLE = 128  # bytes: one 128-wide FP8 K step is one 128-byte swizzle row
+# A K off the 128 grid (the small preset's 704-wide experts) takes 64-byte swizzle rows,
+# two per K step: TMA then needs K only in multiples of 64 and zero-fills the last step's
+# missing half, where a 128-byte row needed an XLA pad of every such operand to 768
+# (6 ms of the small FP8 step in session 16's H100 trace).
+FP8_HALF_SWIZZLE = FP8_SWIZZLE // 2
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
     """stages: shared-memory ring depth. grid_tile_width: width of the snake over output
     tiles (L2 reuse). chain: the producer runs on into the next tile's K steps while the
-    consumers store this one (only when the ring depth divides the K steps); None picks
-    it for short K loops (<= 32 steps), where it measured faster on the H100, and not for
-    long ones, where it measured ~5% slower.
+    consumers store this one (only when the ring depth divides the K steps: `for_steps`
+    makes the ring shallower where that helps); None picks it for short K loops (<= 32
+    steps), where it measured faster on the H100, and not for long ones, where it
+    measured ~5% slower. The wgrad kernel does not chain (its groups' step counts vary).
 
     The CTA tile is fixed at 128 x 128: each consumer's 64 x 128 tile needs one b block
     scale per K step, and its fresh plus running FP32 accumulators already take 128
@@ -61,7 +68,26 @@ class MosaicConfig:
     grid_tile_width: int = 8
     chain: bool | None = None
 
+    def chains(self, k_steps: int) -> bool:
+        """Whether pipelines of `k_steps` chain: wanted (short loops when `chain` is None)
+        and the ring depth divides the steps, so one tile's pipeline ends on the slot
+        where the next one starts."""
+        wanted = k_steps <= CHAIN_MAX_STEPS if self.chain is None else self.chain
+        return wanted and k_steps % self.stages == 0
 
+    def for_steps(self, k_steps: int) -> MosaicConfig:
+        """This config with the deepest ring up to `stages` under which pipelines of
+        `k_steps` chain, where a shallower ring makes them chain: a 768-deep K (6 steps)
+        runs a chained 3-deep ring, not an unchained 4-deep one. Unchained, the `small`
+        preset's 6-step expert GEMMs took 0.35 ms where its chained 8-step ones of equal
+        work took 0.26 (session 16's H100 trace)."""
+        if self.chains(k_steps):
+            return self
+        deeper_first = (dataclasses.replace(self, stages=d) for d in range(self.stages, 1, -1))
+        return next((cfg for cfg in deeper_first if cfg.chains(k_steps)), self)
+
+
+CHAIN_MAX_STEPS = 32  # longer K loops measured ~5% slower chained
 DEFAULT_CONFIG = MosaicConfig()
 
 
@@ -73,12 +99,13 @@ def _load_vector(ref, axis: int) -> jax.Array:
     return plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA.reduce(1 - axis))
 
 
-def _fp8_spec(block: tuple[int, int], index):
-    """An FP8 operand tile, K-major: one 128-wide K step is one 128-byte swizzle row."""
+def _fp8_spec(block: tuple[int, int], index, swizzle: int = FP8_SWIZZLE):
+    """An FP8 operand tile, K-major: one 128-wide K step is one 128-byte swizzle row (or
+    two 64-byte ones, `FP8_HALF_SWIZZLE`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu.BlockSpec(block, index, memory_space=plgpu.SMEM, transforms=(
-        plgpu.TilingTransform((8, FP8_SWIZZLE)), plgpu.SwizzleTransform(FP8_SWIZZLE)))
+        plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)))
 
 
 def _scale_spec(block: tuple[int, int], index):
@@ -161,18 +188,18 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
 
     m, k = a_gmem.shape
     n = b_gmem.shape[1]
-    k_steps = k // TILE
+    k_steps = cdiv(k, TILE)
+    swizzle = FP8_SWIZZLE if k % TILE == 0 else FP8_HALF_SWIZZLE
     tiles_m = cdiv(m, CTA_M) + groups
     tiles_n = cdiv(n, TILE_N)  # a partial last column tile: its stores are clipped
 
-    chain = k_steps <= 32 if cfg.chain is None else cfg.chain
-    chained = chain and k_steps % cfg.stages == 0
+    chained = cfg.chains(k_steps)
 
     def pipeline(body, compute_context, state=None):
         return _pipeline(body, compute_context, k_steps, [
-            _fp8_spec((CTA_M, TILE), lambda s: (0, s)),
+            _fp8_spec((CTA_M, TILE), lambda s: (0, s), swizzle),
             _scale_spec((1, CTA_M), lambda s: (s, 0)),
-            _fp8_spec((TILE_N, TILE), lambda s: (0, s)),
+            _fp8_spec((TILE_N, TILE), lambda s: (0, s), swizzle),
             _scale_spec((1, WG_ROWS), lambda s: (s, 0)),
         ], cfg, state)
 
@@ -289,15 +316,16 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
     """dequant(a) rows of group g @ dequant(b[g])^T; a (M, K) FP8 with 1x128 scales
     (M, K/128), b (G, N, K) FP8 with 128x128 scales (G, N/128, K/128).
 
-    M and K are zero-padded to the tile grid when needed (K: the FP8 swizzle row is one
-    128-deep K step); a partial last column tile needs no padding (N only to a multiple
-    of 64, `mosaic_common.tma_ready`).
+    M is zero-padded to the row tile and K only to a multiple of 64 when needed (a K off
+    the 128 grid is read as 64-byte swizzle rows; TMA zero-fills the last step's missing
+    half); a partial last column tile needs no padding (N only to a multiple of 64,
+    `mosaic_common.tma_ready`).
     """
-    cfg = cfg or DEFAULT_CONFIG
     (m, k), (groups, n, _) = a.shape, b.shape
-    a = _pad_axis(_pad_axis(a, 1, TILE), 0, CTA_M)
+    cfg = (cfg or DEFAULT_CONFIG).for_steps(cdiv(k, TILE))
+    a = _pad_axis(_pad_axis(a, 1, FP8_HALF_SWIZZLE), 0, CTA_M)
     a_scale = _pad_axis(a_scale, 0, CTA_M)
-    b = tma_ready(_pad_axis(b, 2, TILE), 1)
+    b = tma_ready(_pad_axis(b, 2, FP8_HALF_SWIZZLE), 1)
     mp, np_ = a.shape[0], b.shape[1]
     # End row of each group, then of the zero rows past the last group.
     ends = visit_ends(group_sizes, m)
@@ -310,14 +338,16 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
 
 
 def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=jnp.bfloat16,
-                             cfg: MosaicConfig | None = None) -> jax.Array:
+                             cfg: MosaicConfig | None = None, split: int | None = None
+                             ) -> jax.Array:
     """(G, P, Q): dequant(x)_g @ dequant(y)_g^T over each group's tokens; x (P, M) and
     y (Q, M) FP8, token-minor, with 1x128 scales along tokens (P, M/128) and (Q, M/128).
 
     The tokens must be in a tile-aligned layout (`group_schedule.AlignedLayout`): every
     group starts on a multiple of 128 and group_sizes are multiples of 128, so each K
     step belongs to one group and nothing is masked. Partial last tiles of P and Q need
-    no padding (only to multiples of 64, `mosaic_common.tma_ready`).
+    no padding (only to multiples of 64, `mosaic_common.tma_ready`). ``split``: pieces each
+    group's tokens are cut into, their FP32 partial sums added after (None: `token_split`).
     """
     cfg = cfg or DEFAULT_CONFIG
     (p, m), q = x.shape, y.shape[0]
@@ -326,10 +356,34 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
                          f"multiple of {TILE}); got x {x.shape}")
     x, x_scale = tma_ready(x, 0), tma_ready(x_scale, 0)
     y, y_scale = tma_ready(y, 0), tma_ready(y_scale, 0)
-    sizes = group_sizes.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    out_type = _out_shape((sizes.shape[0], x.shape[0], y.shape[0]), out_dtype, x, y)
+    groups = group_sizes.shape[0]
+    split = split or token_split(groups * cdiv(p, CTA_M) * cdiv(q, TILE_N), m // TILE // groups)
+    blocks = split_blocks(group_sizes.astype(jnp.int32) // TILE, split).reshape(-1)
+    starts = (jnp.cumsum(blocks) - blocks) * TILE
+    part_dtype = jnp.float32 if split > 1 else out_dtype
+    out_type = _out_shape((blocks.shape[0], x.shape[0], y.shape[0]), part_dtype, x, y)
     out = persistent_call(functools.partial(_tn_kernel, cfg=cfg), out_type, starts,
-                          sizes // TILE, x, x_scale.T, y, y_scale.T,
-                          name="fp8_grouped_wgrad_gemm")
+                          blocks, x, x_scale.T, y, y_scale.T, name="fp8_grouped_wgrad_gemm")
+    if split > 1:  # each group's partial sums, added in FP32
+        out = out.reshape(groups, split, *out.shape[1:]).sum(1).astype(out_dtype)
     return out[:, :p, :q] if out.shape[1:] != (p, q) else out
+
+
+MIN_SPLIT_STEPS = 8  # 128-token steps per piece of a split group: a ring fill per piece
+
+
+def token_split(tiles: int, blocks_per_group: int) -> int:
+    """How many pieces to cut each group's tokens into, so that a wgrad with fewer output
+    tiles than SMs still fills the persistent grid (split-K). A dense layer's wgrad over
+    16384 tokens into a 1024 x 320 output has 24 tiles of 128 steps each: 24 of 132 SMs
+    worked, and each of the `small` preset's eight dense FP8 wgrads took ~73 us whatever
+    its size (session 16's H100 trace)."""
+    return max(1, min(mosaic_common.sm_count() // tiles, blocks_per_group // MIN_SPLIT_STEPS))
+
+
+def split_blocks(blocks: jax.Array, split: int) -> jax.Array:
+    """(G, split): group g's token blocks cut into `split` consecutive pieces of
+    ceil(blocks / split) (the last ones shorter or empty)."""
+    piece = (blocks + split - 1) // split
+    first = jnp.arange(split, dtype=blocks.dtype) * piece[:, None]
+    return jnp.clip(blocks[:, None] - first, 0, piece[:, None])

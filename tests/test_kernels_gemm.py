@@ -276,6 +276,44 @@ def test_mosaic_kernels_lower_for_a_hopper_on_cpu(monkeypatch):
         assert name in text
 
 
+def test_fp8_wgrad_splits_tokens_only_when_tiles_leave_sms_idle(monkeypatch):
+    """Split-K for the FP8 wgrad: a group's tokens are cut into contiguous pieces (their
+    partial sums added in FP32) only where the output tiles leave SMs idle and each piece
+    keeps enough K steps; the split call still lowers for a Hopper."""
+    from pallas_kernels import mosaic_common, mosaic_gemm
+
+    monkeypatch.setattr(mosaic_common, "sm_count", lambda: 132)
+    assert mosaic_gemm.token_split(24, 128) == 5  # a dense 1024 x 320 wgrad, 16384 tokens
+    assert mosaic_gemm.token_split(64 * 8 * 6, 12) == 1  # the small preset's experts
+    assert mosaic_gemm.token_split(4, 7) == 1  # too few steps to share
+    blocks = jnp.array([125, 0, 3, 17], jnp.int32)
+    for split in (1, 2, 5):
+        pieces = np.asarray(mosaic_gemm.split_blocks(blocks, split))
+        assert pieces.shape == (4, split)
+        np.testing.assert_array_equal(pieces.sum(1), blocks)
+        assert np.all(np.diff(pieces, axis=1) <= 0)  # full pieces first, then the rest
+        assert np.all(pieces <= -(-np.asarray(blocks)[:, None] // split))
+    x = jax.ShapeDtypeStruct((256, 4096), jnp.float8_e4m3fn)
+    scale = jax.ShapeDtypeStruct((256, 32), jnp.float32)
+    call = jax.jit(lambda x, xs: mosaic_gemm.scaled_grouped_matmul_tn(
+        x, x, jnp.array([4096], jnp.int32), x_scale=xs, y_scale=xs, out_dtype=jnp.bfloat16))
+    lowered = call.trace(x, scale).lower(lowering_platforms=("cuda",))
+    assert "tensor<4x256x256xf32>" in lowered.as_text()  # 4 pieces of 8 steps, FP32 parts
+    assert lowered.out_info.shape == (1, 256, 256)
+
+
+def test_mosaic_fp8_ring_depth_divides_short_k_loops():
+    """Chained pipelines need the ring depth to divide the K steps; short loops get the
+    deepest ring up to the configured one that does, long ones keep theirs unchained."""
+    from pallas_kernels.mosaic_gemm import MosaicConfig
+
+    cfg = MosaicConfig(stages=4)
+    assert [cfg.for_steps(k).stages for k in (8, 6, 9, 5, 2)] == [4, 3, 3, 4, 2]
+    assert cfg.for_steps(6).chains(6) and not cfg.for_steps(5).chains(5)
+    assert cfg.for_steps(66).stages == 4 and not cfg.for_steps(66).chains(66)
+    assert not MosaicConfig(chain=False).for_steps(6).chains(6)
+
+
 def test_aligned_layout_starts_every_group_on_a_tile(request):
     rng = _rng(request)
     for sizes in (np.array([0, 1, 127, 128, 129, 300, 0]), np.ones(9, np.int64),

@@ -49,7 +49,8 @@ needs_mosaic = pytest.mark.skipif(not mosaic_common.available(), reason="needs s
     (1300, 2112, 1024, SIZES),  # uneven groups incl. 0/1/127/129 rows, 43 zero rows, N % 128
     (1000, 384, 7168, np.array([1000], np.int32)),  # dense, long K (no chained pipelines)
     (8192, 256, 512, np.array([3000, 0, 5192], np.int32)),  # many tiles per SM (chained)
-    (1300, 704, 704, SIZES),  # the small preset's expert width: partial K step and N tile
+    (1300, 704, 704, SIZES),  # the small preset's expert width: partial K step and N tile,
+    # 6 K steps: a chained 3-deep ring (MosaicConfig.for_steps)
 ])
 def test_mosaic_fp8_grouped_gemm_gpu(m, n, k, sizes):
     ka, kb = jax.random.split(jax.random.key(m + n + k))
@@ -109,8 +110,13 @@ SKEWED_64 = (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
     (320, 200, SIZES),  # groups of 0/1/127/129 rows; P and Q off the 128 grid
     (512, 384, np.array([1000], np.int32)),  # dense: one group, long K
     (256, 256, SKEWED_64),  # 64 skewed groups, some empty
+    (256, 200, np.array([16000], np.int32)),  # dense, 4 tiles of 125 steps: split-K
 ])
 def test_mosaic_fp8_wgrad_gpu(p, q, sizes):
+    from pallas_kernels import mosaic_gemm
+
+    if len(sizes) == 1 and sizes[0] > 8000:
+        assert mosaic_gemm.token_split(4, 125) > 1  # the case exercises the split
     xq, yq, layout = _wgrad_operands(p, q, sizes, seed=p + q + len(sizes))
     out = _mosaic_fp8_wgrad(xq, yq, layout)
     x64, y64 = (_ref64(lambda v: v, dequantize(v, s, 1)) for v, s in (xq, yq))
