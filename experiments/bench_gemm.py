@@ -175,6 +175,15 @@ def tflops(flops: float, s: float | str) -> float | str:
     return flops / s / 1e12 if isinstance(s, float) else s
 
 
+def time_or_failure(fn: Callable[[], object], sync: Callable[[object], object]) -> float | str:
+    """Median seconds of fn, or why it failed (a comparator that cannot run says so in its
+    table cell instead of stopping the bench)."""
+    try:
+        return median_time(fn, sync)
+    except Exception as e:
+        return f"failed: {type(e).__name__}: {str(e)[:100]}"
+
+
 def rel_err(out_fn: Callable[[], object], ref_fn: Callable[[], object]) -> float | None:
     """Relative Frobenius error; None (printed "-") if either side fails to run."""
     import jax.numpy as jnp
@@ -202,10 +211,7 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
     qw = jax.jit(jax.vmap(pk.quantize_128x128))
 
     def tq(name: str) -> float | str:
-        try:
-            return median_time(fns[name], sync)
-        except Exception as e:
-            return f"failed: {type(e).__name__}: {str(e)[:100]}"
+        return time_or_failure(fns[name], sync)
 
     rows: list[Row] = []
     for name, m, n, k in [] if only in ("grouped", "fp8_wgrad") else dense_shapes(quick):
@@ -411,13 +417,7 @@ def small_fp8_rows() -> list[Row]:
     rows: list[Row] = []
 
     def timed(fns: dict[str, Callable[[], object]]) -> dict[str, float | str]:
-        out: dict[str, float | str] = {}
-        for name, fn in fns.items():
-            try:
-                out[name] = median_time(fn, sync)
-            except Exception as e:  # a comparator that cannot run says so in its cell
-                out[name] = f"failed: {type(e).__name__}: {str(e)[:100]}"
-        return out
+        return {name: time_or_failure(fn, sync) for name, fn in fns.items()}
 
     t = SMALL_TOKENS
     for p, q in SMALL_DENSE_WGRAD:
@@ -434,8 +434,7 @@ def small_fp8_rows() -> list[Row]:
         err = rel_err(fns["ours"], bind(lambda xq, dq, xs, ds, sizes: reference.grouped_matmul_tn(
             xq, dq, sizes, x_scale=xs, y_scale=ds, token_major=False, out_dtype=jnp.float32),
             xq, dq, xs, ds, sizes))
-        split = mosaic_gemm.token_split(mosaic_gemm.cdiv(p, 128) * mosaic_gemm.cdiv(q, 128),
-                                        t // 128)
+        split = mosaic_gemm.token_split(1, p, q, t)
         rows.append(Row(f"fp8 dense wgrad (split {split})", f"{t}->{p}x{q}", 2 * t * p * q,
                         t * (p + q) + p * q * 4, "fp8", times.pop("ours"), err, times))
     g, m, k, n = SMALL_EXPERTS

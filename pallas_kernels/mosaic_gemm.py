@@ -357,7 +357,7 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
     x, x_scale = tma_ready(x, 0), tma_ready(x_scale, 0)
     y, y_scale = tma_ready(y, 0), tma_ready(y_scale, 0)
     groups = group_sizes.shape[0]
-    split = split or token_split(groups * cdiv(p, CTA_M) * cdiv(q, TILE_N), m // TILE // groups)
+    split = split or token_split(groups, p, q, m)
     blocks = split_blocks(group_sizes.astype(jnp.int32) // TILE, split).reshape(-1)
     starts = (jnp.cumsum(blocks) - blocks) * TILE
     part_dtype = jnp.float32 if split > 1 else out_dtype
@@ -372,12 +372,14 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
 MIN_SPLIT_STEPS = 8  # 128-token steps per piece of a split group: a ring fill per piece
 
 
-def token_split(tiles: int, blocks_per_group: int) -> int:
-    """How many pieces to cut each group's tokens into, so that a wgrad with fewer output
-    tiles than SMs still fills the persistent grid (split-K). A dense layer's wgrad over
-    16384 tokens into a 1024 x 320 output has 24 tiles of 128 steps each: 24 of 132 SMs
-    worked, and each of the `small` preset's eight dense FP8 wgrads took ~73 us whatever
-    its size (session 16's H100 trace)."""
+def token_split(groups: int, p: int, q: int, tokens: int) -> int:
+    """How many pieces to cut each group's tokens into, so that a (G, P, Q) wgrad over
+    `tokens` aligned tokens with fewer output tiles than SMs still fills the persistent
+    grid (split-K). A dense layer's wgrad over 16384 tokens into a 1024 x 320 output has 24
+    tiles of 128 steps each: 24 of 132 SMs worked, and each of the `small` preset's eight
+    dense FP8 wgrads took ~73 us whatever its size (session 16's H100 trace)."""
+    tiles = groups * cdiv(p, CTA_M) * cdiv(q, TILE_N)
+    blocks_per_group = tokens // TILE // groups
     return max(1, min(mosaic_common.sm_count() // tiles, blocks_per_group // MIN_SPLIT_STEPS))
 
 

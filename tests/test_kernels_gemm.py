@@ -283,9 +283,9 @@ def test_fp8_wgrad_splits_tokens_only_when_tiles_leave_sms_idle(monkeypatch):
     from pallas_kernels import mosaic_common, mosaic_gemm
 
     monkeypatch.setattr(mosaic_common, "sm_count", lambda: 132)
-    assert mosaic_gemm.token_split(24, 128) == 5  # a dense 1024 x 320 wgrad, 16384 tokens
-    assert mosaic_gemm.token_split(64 * 8 * 6, 12) == 1  # the small preset's experts
-    assert mosaic_gemm.token_split(4, 7) == 1  # too few steps to share
+    assert mosaic_gemm.token_split(1, 1024, 320, 16384) == 5  # a dense 1024 x 320 wgrad, 16384 tokens
+    assert mosaic_gemm.token_split(64, 1024, 704, 64 * 1536) == 1  # the small preset's experts
+    assert mosaic_gemm.token_split(1, 256, 256, 7 * 128) == 1  # too few steps to share
     blocks = jnp.array([125, 0, 3, 17], jnp.int32)
     for split in (1, 2, 5):
         pieces = np.asarray(mosaic_gemm.split_blocks(blocks, split))

@@ -115,9 +115,9 @@ SKEWED_64 = (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
 def test_mosaic_fp8_wgrad_gpu(p, q, sizes):
     from pallas_kernels import mosaic_gemm
 
-    if len(sizes) == 1 and sizes[0] > 8000:
-        assert mosaic_gemm.token_split(4, 125) > 1  # the case exercises the split
     xq, yq, layout = _wgrad_operands(p, q, sizes, seed=p + q + len(sizes))
+    if sizes.sum() > 8000:  # the dense long-K case exercises split-K
+        assert mosaic_gemm.token_split(len(sizes), p, q, layout.length) > 1
     out = _mosaic_fp8_wgrad(xq, yq, layout)
     x64, y64 = (_ref64(lambda v: v, dequantize(v, s, 1)) for v, s in (xq, yq))
     ends = np.cumsum(np.asarray(layout.sizes))
