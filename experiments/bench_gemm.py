@@ -10,6 +10,9 @@ op is a comparator column.
 
 Prints one row per (op, shape): TFLOP/s, the floor time (METHOD.md: max of FLOPs
 over peak and bytes over bandwidth), the ratio to each comparator and the error.
+Times are device times on both sides: the JAX calls' kernels in a profiler trace, torch's
+from CUDA events around back-to-back calls (a wall clock adds JAX's heavier host dispatch,
+tens of microseconds, to GEMMs of a few hundred).
 Torch comparators (cuBLAS bf16, cuBLASLt block-scaled FP8, torch._grouped_mm,
 torch._scaled_grouped_mm) run first in a subprocess, since both frameworks grab
 GPU memory; rows say "absent" where torch or an op is missing.
@@ -20,10 +23,8 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -47,6 +48,13 @@ def dense_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def grouped_shapes(quick: bool, groups: int | None) -> list[tuple[int, int, int, int]]:
+    """The grouped (G, rows, K, N) shapes to run: the first only with quick, those of G
+    groups only with groups (a device call's time limit fits two of them with torch's)."""
+    shapes = GROUPED[:1] if quick else GROUPED
+    return [s for s in shapes if groups is None or s[0] == groups]
+
+
 def group_sizes(g: int, rows: int, seed: int = 0) -> np.ndarray:
     """Uneven (Dirichlet) sizes in multiples of 16 (torch's grouped kernels need it)."""
     p = np.random.default_rng(seed).dirichlet(np.ones(g))
@@ -55,19 +63,15 @@ def group_sizes(g: int, rows: int, seed: int = 0) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
-def median_time(fn: Callable[[], object], sync: Callable[[object], object], iters: int = 20) -> float:
-    for _ in range(3):
-        sync(fn())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        sync(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def jax_seconds(fn: Callable[[], object], repeats: int = 10) -> float:
+    """Device-busy seconds of one call (its kernels in a profiler trace): the host's dispatch,
+    which a wall clock adds, is tens of microseconds against GEMMs of a few hundred."""
+    from moejax.profiling import device_seconds
+    return device_seconds(fn, repeats)
 
 
 # ----------------------------------------------------------------------------- torch side
-def torch_worker(quick: bool, only: str | None) -> dict[str, float | str]:
+def torch_worker(quick: bool, only: str | None, groups: int | None) -> dict[str, float | str]:
     """Seconds per call of each torch comparator, keyed like the JAX rows."""
     import torch
     import torch.nn.functional as F
@@ -75,9 +79,22 @@ def torch_worker(quick: bool, only: str | None) -> dict[str, float | str]:
     dev = "cuda"
     res: dict[str, float | str] = {}
 
+    def seconds(fn: Callable[[], object], iters: int = 20) -> float:
+        """Device time per call from CUDA events around back-to-back calls (the launches
+        run ahead of the GPU, so the events time the kernels, as the JAX side's trace does)."""
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+
     def timed(key: str, fn: Callable[[], object]) -> None:
         try:
-            res[key] = median_time(fn, lambda _: torch.cuda.synchronize())
+            res[key] = seconds(fn)
         except Exception as e:  # an op missing or refusing a layout is a result too
             res[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
 
@@ -108,7 +125,7 @@ def torch_worker(quick: bool, only: str | None) -> dict[str, float | str]:
         except Exception as e:
             res[f"cublaslt_fp8_block/{name}/{m}x{n}x{k}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
         del a, w
-    for g, rows, k, n in [] if only == "dense" else GROUPED[:1] if quick else GROUPED:
+    for g, rows, k, n in [] if only == "dense" else grouped_shapes(quick, groups):
         sizes = torch.tensor(group_sizes(g, rows), device=dev)
         offs = torch.cumsum(sizes, 0).to(torch.int32)
         x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
@@ -131,9 +148,10 @@ def torch_worker(quick: bool, only: str | None) -> dict[str, float | str]:
     return res
 
 
-def run_torch(quick: bool, only: str | None) -> dict[str, float | str]:
+def run_torch(quick: bool, only: str | None, groups: int | None) -> dict[str, float | str]:
     cmd = [sys.executable, "-m", "experiments.bench_gemm", "--torch-worker"] + (
-        ["--quick"] if quick else []) + (["--only", only] if only else [])
+        ["--quick"] if quick else []) + (["--only", only] if only else []) + (
+        ["--groups", str(groups)] if groups else [])
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     except Exception as e:
@@ -175,11 +193,11 @@ def tflops(flops: float, s: float | str) -> float | str:
     return flops / s / 1e12 if isinstance(s, float) else s
 
 
-def time_or_failure(fn: Callable[[], object], sync: Callable[[object], object]) -> float | str:
-    """Median seconds of fn, or why it failed (a comparator that cannot run says so in its
+def time_or_failure(fn: Callable[[], object]) -> float | str:
+    """Device seconds of fn, or why it failed (a comparator that cannot run says so in its
     table cell instead of stopping the bench)."""
     try:
-        return median_time(fn, sync)
+        return jax_seconds(fn)
     except Exception as e:
         return f"failed: {type(e).__name__}: {str(e)[:100]}"
 
@@ -195,7 +213,8 @@ def rel_err(out_fn: Callable[[], object], ref_fn: Callable[[], object]) -> float
     return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
-def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list[Row]:
+def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None,
+             groups: int | None) -> list[Row]:
     import jax
     import jax.numpy as jnp
 
@@ -205,13 +224,12 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
     from pallas_kernels.group_schedule import aligned_layout
     from pallas_kernels.quantize import dequantize
 
-    sync = jax.block_until_ready
     hi = jax.lax.Precision.HIGHEST
     key = iter(jax.random.split(jax.random.key(0), 10_000))
     qw = jax.jit(jax.vmap(pk.quantize_128x128))
 
     def tq(name: str) -> float | str:
-        return time_or_failure(fns[name], sync)
+        return time_or_failure(fns[name])
 
     rows: list[Row] = []
     for name, m, n, k in [] if only in ("grouped", "fp8_wgrad") else dense_shapes(quick):
@@ -239,7 +257,7 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None) -> list
         del a, w, aq, wq
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    for g, rows_, k, n in [] if only == "dense" else GROUPED[:1] if quick else GROUPED:
+    for g, rows_, k, n in [] if only == "dense" else grouped_shapes(quick, groups):
         gkey = f"{g}x{rows_}x{k}->{n}"
         sizes = jnp.asarray(group_sizes(g, rows_))
         x = jax.random.normal(next(key), (rows_, k), jnp.bfloat16)
@@ -359,7 +377,7 @@ def tune(cands: dict[str, list]) -> dict:
         for c in cs:
             try:
                 f = functools.partial(jax.jit(calls[fam], static_argnums=6), aq, as_, wq, ws, a, w, c)
-                t = median_time(f, jax.block_until_ready, iters=10)
+                t = jax_seconds(f)
             except Exception as e:
                 print(f"tune {fam} {c}: failed {type(e).__name__}: {str(e)[:200]}")
                 continue
@@ -412,12 +430,11 @@ def small_fp8_rows() -> list[Row]:
     from pallas_kernels.quantize import dequantize
     from pallas_kernels.triton_gemm import _pad_axis
 
-    sync = jax.block_until_ready
     key = iter(jax.random.split(jax.random.key(1), 100))
     rows: list[Row] = []
 
     def timed(fns: dict[str, Callable[[], object]]) -> dict[str, float | str]:
-        return {name: time_or_failure(fn, sync) for name, fn in fns.items()}
+        return {name: time_or_failure(fn) for name, fn in fns.items()}
 
     t = SMALL_TOKENS
     for p, q in SMALL_DENSE_WGRAD:
@@ -479,12 +496,18 @@ def main() -> None:
                     help="one table only (each fits one device call); fp8_wgrad: the grouped "
                          "FP8 wgrad rows alone; small_fp8: the small preset's FP8 GEMMs that "
                          "split-K and the chained short-K ring changed")
+    ap.add_argument("--groups", type=int, default=None,
+                    help="only the grouped shapes of this many groups (8 or 64)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.groups is not None and args.groups not in {s[0] for s in GROUPED}:
+        ap.error(f"--groups {args.groups}: the grouped shapes have "
+                 f"{sorted({s[0] for s in GROUPED})} groups")
     if args.torch_worker:
-        print("TORCHJSON " + json.dumps(torch_worker(args.quick, args.only)))
+        print("TORCHJSON " + json.dumps(torch_worker(args.quick, args.only, args.groups)))
         return
-    torch_res = {} if args.only in ("fp8_wgrad", "small_fp8") else run_torch(args.quick, args.only)
+    torch_res = ({} if args.only in ("fp8_wgrad", "small_fp8")
+                 else run_torch(args.quick, args.only, args.groups))
     import jax
 
     from pallas_kernels import triton_gemm as tg
@@ -503,7 +526,7 @@ def main() -> None:
     print("configs:", cfgs)
     print(HEADER)
     rows = small_fp8_rows() if args.only == "small_fp8" else jax_rows(
-        args.quick, torch_res, cfgs, args.only)
+        args.quick, torch_res, cfgs, args.only, args.groups)
     print(HEADER)
     for r in rows:
         print(format_row(r))

@@ -7,14 +7,17 @@ reference on the same inputs, both against the device's own copy bandwidth.
    the same run, not the datasheet).
 2. Per shape (T tokens, H hidden, E experts, k = 8) and op: the bytes floor (each input read
    once, each output written once), kernel and XLA times, each as a fraction of copy
-   bandwidth, and XLA time / kernel time. Outputs are checked against the reference first
+   bandwidth, and XLA time / kernel time; and a plain copy of the floor's bytes (what a
+   streaming kernel of the op's size reaches). Outputs are checked against the reference first
    (bitwise where the op is a permutation or a quantization).
 3. One MoE layer (`small` preset shapes) forward+backward on one device: fused movement ops
    vs the unfused reference (argsort, XLA gather/scatter, plain autodiff), tokens/s, and
    data movement's share of the device time from a jax.profiler trace (with --profile) and
    from timing the layer with identity experts.
-Times: median over repeats of one jitted call that runs the op on R distinct input sets
-(R up to 8 for small shapes: hides launch gaps, and keeps inputs out of L2), divided by R.
+Times: device-busy time (the union of the call's kernels in a profiler trace; wall time on
+the CPU) of one jitted call that runs the op on R distinct input sets, divided by R, averaged
+over repeats. R is up to 8, as many as x (T, H) fits 512 MiB: the sets keep the small
+shapes' inputs out of the 50 MB L2 between calls.
 """
 from __future__ import annotations
 
@@ -23,18 +26,16 @@ import contextlib
 import dataclasses
 import functools
 import json
-import statistics
-import time
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pallas_kernels as pk
 from pallas_kernels import movement_reference as ref
 from pallas_kernels import triton_movement as tm
 from pallas_kernels.quantize import TILE, cdiv
 
+from moejax import profiling
 from moejax.config import get_model_preset
 from moejax.model import dispatch as model_dispatch
 from moejax.model import moe
@@ -44,24 +45,33 @@ K = 8
 TOKENS = (4096, 16384, 65536)
 PAIRED = ((7168, 256), (2048, 64))  # DeepSeek-V3's and V2-Lite's (hidden, experts)
 CROSSED = ((7168, 256), (7168, 64), (2048, 256), (2048, 64))
-SET_BYTES = 512 * 2**20  # input sets per call: enough to cover this many bytes (<= 8 sets)
+SET_BYTES = 512 * 2**20  # input sets per call: as many x (T, H) as fit this (<= 8 sets)
 
 
 def per_call_seconds(fn: Callable, arg_sets: list[tuple], repeats: int) -> float:
+    """Seconds per input set of one jitted call over all sets: device-busy time from a trace
+    on an accelerator (a wall clock would add the host's dispatch, most of the reading for
+    ops of tens of microseconds), wall time on the CPU (its trace has no kernel events)."""
     run = jax.jit(lambda sets: [fn(*args) for args in sets])
-    jax.block_until_ready(run(arg_sets))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run(arg_sets))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / len(arg_sets)
+    call = lambda: run(arg_sets)  # noqa: E731
+    if jax.default_backend() == "cpu":
+        return profiling.median_seconds(call, repeats) / len(arg_sets)
+    return profiling.device_seconds(call, repeats) / len(arg_sets)
 
 
 def copy_bandwidth(repeats: int) -> float:
     """Bytes/s of a 1 GiB bf16 read + 1 GiB write."""
     x = jax.random.normal(jax.random.key(0), (2**29,), jnp.bfloat16)
     return 2 * x.nbytes / per_call_seconds(lambda x: x * 1.5, [(x,)], repeats)
+
+
+def same_size_copy_seconds(nbytes: int, sets: int, repeats: int) -> float:
+    """Seconds of `x * 1.5` reading + writing nbytes in all (bf16), over `sets` input sets
+    like the op's: what a plain streaming kernel moving the op's floor bytes takes at the
+    op's own size, where ramp and tail weigh more than in the 1 GiB copy."""
+    keys = jax.random.split(jax.random.key(nbytes % 2**31), sets)
+    xs = [(jax.random.normal(key, (max(1, nbytes // 4),), jnp.bfloat16),) for key in keys]
+    return per_call_seconds(lambda x: x * 1.5, xs, repeats)
 
 
 @dataclasses.dataclass
@@ -72,6 +82,7 @@ class Row:
     kernel_s: float | None  # None: the kernel cannot run this shape (see note)
     xla_s: float | None  # None: failed (see note)
     check: str
+    copy_s: float  # a copy of floor_bytes (same_size_copy_seconds)
     note: str = ""
 
 
@@ -95,7 +106,7 @@ def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
                interpret: bool, only: str = "") -> list[Row]:
     n = tokens * K
     label = f"T={tokens} H={hidden} E={experts}"
-    sets = max(1, min(8, SET_BYTES // (n * hidden * 2)))
+    sets = max(1, min(8, SET_BYTES // (tokens * hidden * 2)))
     keys = jax.random.split(jax.random.key(tokens + hidden + experts), 5 * sets)
     inputs = []
     for s in range(sets):
@@ -161,8 +172,9 @@ def _measure(label, name, floor, kernel, xla, args, check, repeats) -> Row:
             return None
 
     xla_s = timed(xla)
+    copy_s = same_size_copy_seconds(floor, len(args), repeats)
     if kernel is None:
-        return Row(label, name, floor, None, xla_s, "-",
+        return Row(label, name, floor, None, xla_s, "-", copy_s,
                    "FP8 buffer of 2-4 GiB with H not a multiple of 4: routed to the reference")
     kernel_s = timed(kernel)
     verdict = "-"
@@ -176,7 +188,7 @@ def _measure(label, name, floor, kernel, xla, args, check, repeats) -> Row:
             verdict = (("ok " if max(errs) <= 1e-2 else "MISMATCH ")
                        + "/".join(f"{e:.1e}" for e in errs))
         del got, want, pairs
-    return Row(label, name, floor, kernel_s, xla_s, verdict, "; ".join(notes))
+    return Row(label, name, floor, kernel_s, xla_s, verdict, copy_s, "; ".join(notes))
 
 
 @contextlib.contextmanager
@@ -191,12 +203,21 @@ def patched(module, **attrs) -> Iterator[None]:
             setattr(module, name, value)
 
 
-def unfused_dispatch(x, experts, num_experts):
-    """The model's dispatch before the fused ops: stable argsort, bincount, XLA gather."""
+def unfused_dispatch(x, experts, num_experts, quantize=False):
+    """The model's BF16 dispatch before the fused ops: stable argsort, bincount, XLA gather."""
+    if quantize:
+        raise ValueError("the unfused dispatch is the BF16 path: quantize must be False")
     order = jnp.argsort(experts.reshape(-1), stable=True).astype(jnp.int32)
     sizes = jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
-    rows, _ = ref.permute(x, order, experts.shape[1], quantize=False)
+    rows, _ = ref.permute(x.reshape(-1, x.shape[-1]), order, experts.shape[1], quantize=False)
     return model_dispatch.Dispatched(rows, sizes, order)
+
+
+def unfused_combine(y, order, weights, keep_fp8=False):
+    """The reference combine under plain autodiff (its backward: XLA scatter-adds)."""
+    if keep_fp8:
+        raise ValueError("the unfused combine is the BF16 path: keep_fp8 must be False")
+    return ref.combine(y, order, weights)
 
 
 def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
@@ -222,7 +243,7 @@ def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
 
     results = []
     for variant, attrs in (("fused", {}),
-                           ("unfused", dict(dispatch=unfused_dispatch, combine=ref.combine))):
+                           ("unfused", dict(dispatch=unfused_dispatch, combine=unfused_combine))):
         with patched(moe, **attrs):
             full = make_step()
             t_full = per_call_seconds(full, [(x, router, weights)], repeats)
@@ -230,7 +251,6 @@ def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
             t_bare = per_call_seconds(bare, [(x, router, weights)], repeats)
             split, top = None, None
             if profile_dir:
-                from moejax import profiling
                 trace_dir = f"{profile_dir}/moe_{variant}_{tokens}"
                 split = profiling.profile(lambda: full(x, router, weights), trace_dir)
                 top = profiling.top_kernels(profiling.load_kernel_events(trace_dir))
@@ -245,10 +265,11 @@ def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
 
 
 TUNE = {  # (block_rows, block_cols, num_warps) tried per kernel by --tune
-    "permute": [(16, 512, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 4), (16, 2048, 8),
-                (4, 2048, 4), (8, 4096, 8), (32, 512, 8)],
-    "combine": [(16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (32, 512, 8)],
-    "transpose": [(128, 64, 4), (128, 32, 4), (128, 128, 8), (128, 64, 8)],
+    "permute": [(8, 1024, 4), (2, 2048, 4), (4, 2048, 4), (8, 2048, 4), (16, 2048, 8),
+                (4, 1024, 4), (8, 4096, 8)],
+    "combine": [(8, 1024, 4), (4, 2048, 4), (16, 512, 4), (32, 256, 4)],
+    "transpose": [(128, 32, 2), (128, 32, 4), (128, 64, 2), (128, 64, 4), (128, 64, 8),
+                  (128, 128, 4)],
 }
 
 
@@ -295,15 +316,17 @@ def format_row(r: Row, copy_bw: float | None) -> str:
     floor = r.floor_bytes / copy_bw if copy_bw else None
     pct = lambda s: "n/a" if s is None or floor is None else f"{100 * floor / s:.0f}%"  # noqa: E731
     speed = "n/a" if None in (r.kernel_s, r.xla_s) else f"{r.xla_s / r.kernel_s:.2f}x"
+    of_copy = "n/a" if r.kernel_s is None else f"{100 * r.copy_s / r.kernel_s:.0f}%"
     return (f"| {r.shape} | {r.op} | {_us(floor)} | {_us(r.kernel_s)} | {pct(r.kernel_s)} "
-            f"| {_us(r.xla_s)} | {pct(r.xla_s)} | {speed} | {r.check} {r.note} |")
+            f"| {_us(r.xla_s)} | {pct(r.xla_s)} | {speed} | {_us(r.copy_s)} | {of_copy} "
+            f"| {r.check} {r.note} |")
 
 
 def print_tables(copy_bw: float, rows: list[Row], layers: list[dict]) -> None:
     print(f"\ncopy bandwidth (x * 1.5, 1 GiB bf16, read + write): {copy_bw / 1e9:.0f} GB/s")
     print("\n| shape | op | floor us | kernel us | kernel % copy | XLA us | XLA % copy "
-          "| XLA / kernel | check |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| XLA / kernel | same-size copy us | kernel % same-size copy | check |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(format_row(r, copy_bw))
     if not layers:
@@ -324,7 +347,8 @@ def print_tables(copy_bw: float, rows: list[Row], layers: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="T=4096 only, one MoE size")
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)),
+                        help="'' to skip the per-op table")
     parser.add_argument("--crossed", action="store_true",
                         help="every (H, E) pair, not only V3's and V2-Lite's (E changes only "
                              "the sort: the data passes move the same bytes)")
@@ -335,15 +359,16 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="trace dir for the MoE layer split")
     parser.add_argument("--json", default=None)
     parser.add_argument("--tune", action="store_true", help="sweep kernel tile configs first")
+    parser.add_argument("--tune-tokens", type=int, default=16384, help="T of the --tune sweep")
     parser.add_argument("--only", default="", help="the ops whose name contains this text")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"backend {pk.backend()}", flush=True)
     copy_bw = copy_bandwidth(args.repeats)
     if args.tune:
-        tune(16384, copy_bw, args.repeats)
+        tune(args.tune_tokens, copy_bw, args.repeats)
     rows: list[Row] = []
-    tokens_list = [int(t) for t in args.tokens.split(",")][:1 if args.quick else None]
+    tokens_list = [int(t) for t in args.tokens.split(",") if t][:1 if args.quick else None]
     for tokens in tokens_list:
         for hidden, experts in CROSSED if args.crossed else PAIRED:
             rows += shape_rows(tokens, hidden, experts, args.repeats, args.interpret,

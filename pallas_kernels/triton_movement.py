@@ -43,12 +43,13 @@ class MoveConfig:
     num_stages: int = 1
 
 
-# The best of a small sweep on an H100 at T = 16384, H = 7168 and 2048 (docs/performance.md).
+# The best of a sweep on an H100 at T = 16384, H = 7168 and 2048, timed on the device
+# (bench_movement --tune; docs/performance.md, session 17).
 PERMUTE_CONFIG = MoveConfig(block_rows=32, block_cols=512, num_warps=8)
-QUANTIZED_PERMUTE_CONFIG = MoveConfig(block_rows=16, block_cols=2048, num_warps=8)
-COMBINE_CONFIG = MoveConfig(block_rows=32, block_cols=256)
+QUANTIZED_PERMUTE_CONFIG = MoveConfig(block_rows=8, block_cols=2048)
+COMBINE_CONFIG = MoveConfig(block_rows=8, block_cols=1024)
 COMBINE_BWD_CONFIG = MoveConfig(block_rows=8, block_cols=1024)
-TRANSPOSE_CONFIG = MoveConfig(block_rows=TILE, block_cols=64, num_warps=8)
+TRANSPOSE_CONFIG = MoveConfig(block_rows=TILE, block_cols=64)
 
 
 def offsets_fit(shape: tuple[int, ...], dtype) -> bool:
@@ -100,6 +101,13 @@ def _call(name: str, kernel, operands, out_shapes, grid, cfg: MoveConfig, interp
         interpret=interpret,
         input_output_aliases={n_in + i: i for i in range(len(inits))},
     )(*operands, *inits)
+
+
+def _narrowed(cfg: MoveConfig, h: int) -> MoveConfig:
+    """cfg with its columns cut to H rounded up to a power of two (at least 128): a block
+    wider than the rows leaves its extra lanes masked (H = 1024 under 2048-wide tiles)."""
+    return dataclasses.replace(cfg, block_cols=min(cfg.block_cols,
+                                                   max(TILE, pl.next_power_of_2(h))))
 
 
 def _pack_words(q: jax.Array) -> jax.Array:
@@ -158,7 +166,7 @@ def permute(x, permutation, k, *, quantize, cfg=None, interpret=False, out_init=
             packed=None):
     """See movement_reference.permute. packed (default: packs_fp8) writes the FP8 rows as
     uint32 words, bitcast back to bytes for free outside the kernel."""
-    cfg = cfg or (QUANTIZED_PERMUTE_CONFIG if quantize else PERMUTE_CONFIG)
+    cfg = _narrowed(cfg or (QUANTIZED_PERMUTE_CONFIG if quantize else PERMUTE_CONFIG), x.shape[1])
     if quantize and cfg.block_cols % TILE:
         raise ValueError(f"quantizing needs block_cols a multiple of {TILE}, got {cfg.block_cols}")
     n_rows, h = permutation.shape[0], x.shape[1]

@@ -90,6 +90,21 @@ def test_permute_packs_fp8_rows_into_words_bitwise(request):
     assert tm.packs_fp8(2**19, 7168) and not tm.packs_fp8(2**17, 7168)
 
 
+def test_permute_blocks_narrow_to_the_rows(request):
+    """The default 2048-wide FP8 tile is cut to H's power of two (H = 1024 runs 1024-wide
+    tiles, not half-masked ones), and the cut tile still writes every row exactly."""
+    cfg = tm.QUANTIZED_PERMUTE_CONFIG
+    assert [tm._narrowed(cfg, h).block_cols for h in (7168, 1024, 1000, 100)] == [
+        2048, 1024, 1024, 128]
+    rng = _rng(request)
+    x = jnp.asarray(rng.standard_normal((21, 384)) * 4, jnp.bfloat16)
+    perm = jnp.asarray(rng.permutation(21 * 2).astype(np.int32))
+    q, s = tm.permute(x, perm, 2, quantize=True, interpret=True)  # 512-wide tile, 3 of 4 used
+    want_q, want_s = pk.quantize_1x128(x[perm // 2])
+    np.testing.assert_array_equal(_bits(q), _bits(want_q))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
+
+
 def test_quantized_permute_propagates_nan_like_quantize_1x128(request):
     x = jnp.asarray(_rng(request).standard_normal((9, 256)), jnp.float32).at[4, 200].set(jnp.nan)
     perm = jnp.arange(9, dtype=jnp.int32)[::-1]

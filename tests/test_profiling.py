@@ -56,3 +56,17 @@ def test_cpu_trace_has_no_kernel_events(tmp_path):
     assert profiling.load_kernel_events(tmp_path) == []
     with pytest.raises(ValueError, match="no accelerator kernel"):
         profiling.device_time([])
+
+
+def test_device_seconds_is_the_traced_busy_time_per_call(monkeypatch):
+    """Benchmarks' device timer: the per-call busy time of `profile`, in seconds, traced
+    into a directory of its own."""
+    seen = {}
+
+    def fake_profile(fn, log_dir, repeats):
+        seen.update(log_dir=log_dir, repeats=repeats, out=fn())
+        return profiling.DeviceTime({}, 2.5, 0.0, 2.5)
+
+    monkeypatch.setattr(profiling, "profile", fake_profile)
+    assert profiling.device_seconds(lambda: "ran", 7) == pytest.approx(0.0025)
+    assert seen["repeats"] == 7 and seen["out"] == "ran" and seen["log_dir"]

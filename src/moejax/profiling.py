@@ -15,6 +15,7 @@ import json
 import pathlib
 import re
 import statistics
+import tempfile
 import time
 from typing import Callable, Iterable, NamedTuple
 
@@ -154,3 +155,11 @@ def profile(fn: Callable[[], object], log_dir: str | pathlib.Path, repeats: int 
     per = lambda ms: ms / repeats  # noqa: E731
     return DeviceTime({c: per(v) for c, v in t.busy_ms.items()}, per(t.total_busy_ms),
                       per(t.exposed_communication_ms), per(t.compute_ms))
+
+
+def device_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Device-busy seconds of one call of ``fn`` (the union of its kernels in a trace, over
+    ``repeats`` calls). Short calls need it: a wall clock adds the host's dispatch and the
+    launch, which at tens of microseconds of kernel can be most of the reading."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        return profile(fn, log_dir, repeats).total_busy_ms / 1e3
