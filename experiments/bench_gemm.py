@@ -63,13 +63,6 @@ def group_sizes(g: int, rows: int, seed: int = 0) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
-def jax_seconds(fn: Callable[[], object], repeats: int = 10) -> float:
-    """Device-busy seconds of one call (its kernels in a profiler trace): the host's dispatch,
-    which a wall clock adds, is tens of microseconds against GEMMs of a few hundred."""
-    from moejax.profiling import device_seconds
-    return device_seconds(fn, repeats)
-
-
 # ----------------------------------------------------------------------------- torch side
 def torch_worker(quick: bool, only: str | None, groups: int | None) -> dict[str, float | str]:
     """Seconds per call of each torch comparator, keyed like the JAX rows."""
@@ -194,10 +187,12 @@ def tflops(flops: float, s: float | str) -> float | str:
 
 
 def time_or_failure(fn: Callable[[], object]) -> float | str:
-    """Device seconds of fn, or why it failed (a comparator that cannot run says so in its
-    table cell instead of stopping the bench)."""
+    """Device seconds of fn (its kernels in a profiler trace, over 10 calls), or why it
+    failed (a comparator that cannot run says so in its table cell instead of stopping
+    the bench)."""
+    from moejax.profiling import device_seconds
     try:
-        return jax_seconds(fn)
+        return device_seconds(fn, 10)
     except Exception as e:
         return f"failed: {type(e).__name__}: {str(e)[:100]}"
 
@@ -358,6 +353,7 @@ def tune(cands: dict[str, list]) -> dict:
     import jax.numpy as jnp
 
     import pallas_kernels as pk
+    from moejax.profiling import device_seconds
     from pallas_kernels import triton_gemm as tg
 
     kx, kw = jax.random.split(jax.random.key(1))
@@ -377,7 +373,7 @@ def tune(cands: dict[str, list]) -> dict:
         for c in cs:
             try:
                 f = functools.partial(jax.jit(calls[fam], static_argnums=6), aq, as_, wq, ws, a, w, c)
-                t = jax_seconds(f)
+                t = device_seconds(f, 10)
             except Exception as e:
                 print(f"tune {fam} {c}: failed {type(e).__name__}: {str(e)[:200]}")
                 continue
