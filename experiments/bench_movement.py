@@ -48,6 +48,11 @@ CROSSED = ((7168, 256), (7168, 64), (2048, 256), (2048, 64))
 SET_BYTES = 512 * 2**20  # input sets per call: as many x (T, H) as fit this (<= 8 sets)
 
 
+def input_sets(tokens: int, hidden: int) -> int:
+    """Input sets per timed call: as many x (T, H) as fit SET_BYTES, at most 8."""
+    return max(1, min(8, SET_BYTES // (tokens * hidden * 2)))
+
+
 def per_call_seconds(fn: Callable, arg_sets: list[tuple], repeats: int) -> float:
     """Seconds per input set of one jitted call over all sets: device-busy time from a trace
     on an accelerator (a wall clock would add the host's dispatch, most of the reading for
@@ -106,15 +111,17 @@ def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
                interpret: bool, only: str = "") -> list[Row]:
     n = tokens * K
     label = f"T={tokens} H={hidden} E={experts}"
-    sets = max(1, min(8, SET_BYTES // (tokens * hidden * 2)))
+    sets = input_sets(tokens, hidden)
     keys = jax.random.split(jax.random.key(tokens + hidden + experts), 5 * sets)
     inputs = []
     for s in range(sets):
         kx, ki, kw, ky, kg = keys[5 * s:5 * s + 5]
         ids = _routing(ki, tokens, experts)
         perm, _ = pk.sort_by_expert(ids, experts)
+        x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16) * 3
+        xq, xs = pk.quantize_1x128(x)
         inputs.append(dict(
-            x=jax.random.normal(kx, (tokens, hidden), jnp.bfloat16) * 3, ids=ids, perm=perm,
+            x=x, xq=xq, xs=xs, ids=ids, perm=perm,
             w=jax.random.uniform(kw, (tokens, K), jnp.float32),
             y=jax.random.normal(ky, (n, hidden), jnp.bfloat16),
             g=jax.random.normal(kg, (tokens, hidden), jnp.bfloat16)))
@@ -149,6 +156,10 @@ def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
          kern("combine_backward"), reference_combine_vjp, ("g", "y", "perm", "w"), "rel", True),
         ("quantize_along_tokens (x^T, 1x128)", 3 * tokens * hidden + hidden * cdiv(tokens, TILE) * 4,
          kern("quantize_along_tokens"), ref.quantize_along_tokens, ("x",), "bitwise", True),
+        ("quantize_along_tokens from fp8 (FP8 x -> x^T)",
+         2 * tokens * hidden + (tokens * cdiv(hidden, TILE) + hidden * cdiv(tokens, TILE)) * 4,
+         lambda q, s: kern("quantize_along_tokens")(q, None, s),
+         lambda q, s: ref.quantize_along_tokens(q, None, s), ("xq", "xs"), "bitwise", True),
     ]
     rows = []
     for name, floor, kernel, xla, names, check, runs in ops:
@@ -265,8 +276,8 @@ def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
 
 
 TUNE = {  # (block_rows, block_cols, num_warps) tried per kernel by --tune
-    "permute": [(8, 1024, 4), (2, 2048, 4), (4, 2048, 4), (8, 2048, 4), (16, 2048, 8),
-                (4, 1024, 4), (8, 4096, 8)],
+    "permute": [(1, 2048, 4), (2, 2048, 4), (4, 2048, 4), (8, 2048, 4), (16, 2048, 8),
+                (4, 1024, 4), (8, 1024, 4), (8, 4096, 8)],
     "combine": [(8, 1024, 4), (4, 2048, 4), (16, 512, 4), (32, 256, 4)],
     "transpose": [(128, 32, 2), (128, 32, 4), (128, 64, 2), (128, 64, 4), (128, 64, 8),
                   (128, 128, 4)],
@@ -274,32 +285,37 @@ TUNE = {  # (block_rows, block_cols, num_warps) tried per kernel by --tune
 
 
 def tune(tokens: int, copy_bw: float, repeats: int) -> None:
-    """Times each kernel under each TUNE config at one T, both hidden sizes."""
+    """Times each kernel under each TUNE config at one T, both hidden sizes, over as many
+    input sets as the op table uses (one set of a small T would be timed from L2)."""
     print("\n| kernel | H | block_rows x block_cols, warps | us | % copy |\n|---|---|---|---|---|")
     for hidden, experts in PAIRED:
         n = tokens * K
-        ks = jax.random.split(jax.random.key(1), 4)
-        x = jax.random.normal(ks[0], (tokens, hidden), jnp.bfloat16)
-        perm, _ = pk.sort_by_expert(_routing(ks[1], tokens, experts), experts)
-        w = jax.random.uniform(ks[2], (tokens, K), jnp.float32)
-        y = jax.random.normal(ks[3], (n, hidden), jnp.bfloat16)
+        sets = []
+        for key in jax.random.split(jax.random.key(1), input_sets(tokens, hidden)):
+            ks = jax.random.split(key, 4)
+            sets.append(dict(
+                x=jax.random.normal(ks[0], (tokens, hidden), jnp.bfloat16),
+                perm=pk.sort_by_expert(_routing(ks[1], tokens, experts), experts)[0],
+                w=jax.random.uniform(ks[2], (tokens, K), jnp.float32),
+                y=jax.random.normal(ks[3], (n, hidden), jnp.bfloat16)))
         cases = [
             ("permute fp8", "permute", 2 * tokens * hidden + n * hidden,
-             lambda c: (lambda x, p: tm.permute(x, p, K, quantize=True, cfg=c)), (x, perm)),
+             lambda c: (lambda x, p: tm.permute(x, p, K, quantize=True, cfg=c)), ("x", "perm")),
             ("permute bf16", "permute", 2 * tokens * hidden + 2 * n * hidden,
-             lambda c: (lambda x, p: tm.permute(x, p, K, quantize=False, cfg=c)), (x, perm)),
+             lambda c: (lambda x, p: tm.permute(x, p, K, quantize=False, cfg=c)), ("x", "perm")),
             ("combine", "combine", 2 * n * hidden + 2 * tokens * hidden,
-             lambda c: functools.partial(tm.combine, cfg=c), (y, perm, w)),
+             lambda c: functools.partial(tm.combine, cfg=c), ("y", "perm", "w")),
             ("combine_backward", "combine", 2 * tokens * hidden + 4 * n * hidden,
-             lambda c: functools.partial(tm.combine_backward, cfg=c), (x, y, perm, w)),
+             lambda c: functools.partial(tm.combine_backward, cfg=c), ("x", "y", "perm", "w")),
             ("quantize_along_tokens", "transpose", 3 * tokens * hidden,
-             lambda c: functools.partial(tm.quantize_along_tokens, cfg=c), (x,)),
+             lambda c: functools.partial(tm.quantize_along_tokens, cfg=c), ("x",)),
         ]
-        for label, family, nbytes, make, args in cases:
+        for label, family, nbytes, make, names in cases:
+            args = [tuple(s[name] for name in names) for s in sets]
             for rows, cols, warps in TUNE[family]:
                 cfg = tm.MoveConfig(rows, cols, warps)
                 try:
-                    sec = per_call_seconds(make(cfg), [args], repeats)
+                    sec = per_call_seconds(make(cfg), args, repeats)
                     print(f"| {label} | {hidden} | {rows}x{cols}, {warps} | {1e6 * sec:.0f} "
                           f"| {100 * nbytes / copy_bw / sec:.0f}% |", flush=True)
                 except Exception as e:  # a config Triton refuses is a result too

@@ -164,13 +164,18 @@ def _combine_bwd(keep_fp8, residuals, g):
 combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None
-                          ) -> tuple[jax.Array, jax.Array]:
+def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None,
+                          scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """quantize_1x128(x.T) for wgrad, read straight from row-major x (M, K): (K, M) FP8 and
     (K, ceil(M/128)) FP32 scales, with no separate transpose pass. With a
     `group_schedule.AlignedLayout`, the tokens land in its tile-aligned layout: (K, R) and
-    (K, R/128), each group's tokens starting on a 128-token tile, zeros between."""
+    (K, R/128), each group's tokens starting on a 128-token tile, zeros between. With a
+    `scale`, x is FP8 with 1x128 scales along K (M, ceil(K/128)) and is dequantized on the
+    way (an FP8 linear's saved input, re-quantized along tokens in the same pass)."""
     if x.ndim != 2:
         raise ValueError(f"quantize_along_tokens wants x (M, K), got {x.shape}")
+    if scale is not None and scale.shape != (x.shape[0], -(-x.shape[1] // 128)):
+        raise ValueError(f"quantize_along_tokens wants scale (M, ceil(K/128)) for x "
+                         f"{x.shape}, got {scale.shape}")
     shapes = ((x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn))
-    return _impl("quantize_along_tokens", *shapes)(x, layout)
+    return _impl("quantize_along_tokens", *shapes)(x, layout, scale)

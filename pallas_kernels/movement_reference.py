@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.group_schedule import AlignedLayout, gather_aligned
-from pallas_kernels.quantize import quantize_1x128
+from pallas_kernels.quantize import dequantize, quantize_1x128
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -50,9 +50,13 @@ def combine_backward(g: jax.Array, y: jax.Array, permutation: jax.Array,
     return dy, dweights.reshape(tokens, k).astype(weights.dtype)
 
 
-def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None
-                          ) -> tuple[jax.Array, jax.Array]:
+def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None,
+                          scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x (M, K) row-major -> quantize_1x128(x.T): (K, M) FP8 and (K, ceil(M/128)) scales,
     the layout the token-contracting wgrad GEMM wants. With a `layout`, the rows are
-    first placed in that tile-aligned layout (K, R), so no scale tile spans two groups."""
+    first placed in that tile-aligned layout (K, R), so no scale tile spans two groups.
+    With a `scale`, x is FP8 with its 1x128 scales along K, (M, ceil(K/128)), and is
+    dequantized first (to FP32: the second rounding of an FP8 linear's saved input)."""
+    if scale is not None:
+        x = dequantize(x, scale, row_tile=1)
     return quantize_1x128((x if layout is None else gather_aligned(x, layout)).T)

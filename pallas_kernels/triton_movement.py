@@ -9,12 +9,19 @@ the output, the index math and quantization in registers between them.
 - `combine_backward`: the weighted dispatch of the gradient (each gradient row read once,
   scattered to its k copies) and the per-copy dots.
 - `quantize_along_tokens`: quantize_1x128(x.T) read straight from row-major x (the tile is
-  transposed in registers, not by a separate pass over memory).
+  transposed in registers, not by a separate pass over memory); from FP8 x with its 1x128
+  scales, dequantized in the same pass (an FP8 linear's saved input, for its wgrad).
+- `inverse_permutation`: the sorted row of each token copy, which the scatter-form kernels
+  index by (one store per element, where XLA's scatter ran three kernels).
 
 Quantization is bit-identical to `quantize.quantize_1x128` on the same platform: the
 same FP32 operations in the same order. On an H100 the kernels' FP8 values and scales
 matched XLA's bit for bit over 117M elements with Triton's own `/`; correctly rounded
 division (`div.rn`) did not (XLA's GPU amax / 448 is not the IEEE quotient either).
+Compiled for a GPU, the kernels leave out quantize_1x128's clamp to +-448: the GPU's FP32
+to E4M3 conversion saturates (PTX allows it only as `cvt.rn.satfinite`), which gives the
+clamp's result on every input, NaN included; interpret mode keeps the clamp, as a plain
+cast overflows to NaN there.
 """
 from __future__ import annotations
 
@@ -28,7 +35,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.group_schedule import AlignedLayout
-from pallas_kernels.movement_reference import inverse_permutation
 from pallas_kernels.quantize import FP8, FP8_MAX, TILE, cdiv
 from pallas_kernels.triton_gemm import _compiler_params, _out_shape
 
@@ -46,10 +52,16 @@ class MoveConfig:
 # The best of a sweep on an H100 at T = 16384, H = 7168 and 2048, timed on the device
 # (bench_movement --tune; docs/performance.md, session 17).
 PERMUTE_CONFIG = MoveConfig(block_rows=32, block_cols=512, num_warps=8)
-QUANTIZED_PERMUTE_CONFIG = MoveConfig(block_rows=8, block_cols=2048)
+# The FP8 permute: one token a program writing bytes (T = 4096: 86% of copy where 8 tokens
+# ran 81%, equal at T = 65536, session 18's sweep over 8 input sets), eight writing uint32
+# words (the 2-4 GiB buffers: 86% where one token ran 81%).
+QUANTIZED_PERMUTE_CONFIG = MoveConfig(block_rows=1, block_cols=2048)
+PACKED_PERMUTE_CONFIG = MoveConfig(block_rows=8, block_cols=2048)
 COMBINE_CONFIG = MoveConfig(block_rows=8, block_cols=1024)
 COMBINE_BWD_CONFIG = MoveConfig(block_rows=8, block_cols=1024)
 TRANSPOSE_CONFIG = MoveConfig(block_rows=TILE, block_cols=64)
+# From FP8 x, 128 columns: whole 128-byte rows (8-15% faster than 64 on an H100, session 18).
+REQUANTIZE_CONFIG = MoveConfig(block_rows=TILE, block_cols=TILE)
 
 
 def offsets_fit(shape: tuple[int, ...], dtype) -> bool:
@@ -70,20 +82,23 @@ def _gathered(rows: jax.Array, c0, width: int) -> tuple[jax.Array, jax.Array]:
     return rows[:, None], (c0 + _iota(width))[None, :]
 
 
-def _quantize_rows(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _quantize_rows(v: jax.Array, saturating: bool) -> tuple[jax.Array, jax.Array]:
     """FP8 values and FP32 scales of a (rows, 128) tile, one scale per row (masked-out
     elements must be 0), bit-identical to quantize_1x128.
 
     amax is an integer max over the bits with the sign cleared: NaN patterns sort above
     inf, so a NaN in a row makes its scale NaN as jnp.max does (Triton's float max would
-    drop it), in two instructions per element.
+    drop it), in two instructions per element. `saturating`: the FP8 cast clamps to +-448
+    itself (compiled Triton on a GPU; the module docstring says why), so the clamp, four
+    instructions per element, is left out.
     """
     v = v.astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
     amax = jax.lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)[:, None]
     scale = jnp.where(amax == 0, 1.0, amax / FP8_MAX)
     y = v / scale
-    y = jnp.where(y > FP8_MAX, FP8_MAX, jnp.where(y < -FP8_MAX, -FP8_MAX, y))  # keeps NaN
+    if not saturating:
+        y = jnp.where(y > FP8_MAX, FP8_MAX, jnp.where(y < -FP8_MAX, -FP8_MAX, y))  # keeps NaN
     return y.astype(FP8), scale[:, 0]
 
 
@@ -120,14 +135,34 @@ def _pack_words(q: jax.Array) -> jax.Array:
 
 
 def _token_block(i, bt: int, tokens: int) -> jax.Array:
-    """Tokens i*bt.. of program i, those past T repeating token T-1: their duplicate
+    """Rows (tokens) i*bt.. of program i, those past the last repeating it: their duplicate
     stores write the same values to the same places, so rows need no store mask (a masked
     scatter would race its real writer in interpret mode, which emulates masks by
     read-modify-write)."""
     return jnp.minimum(i * bt + _iota(bt), tokens - 1)
 
 
-def _permute_kernel(inv_ref, x_ref, *out_refs, k, tokens, h, cfg, quantize, packed):
+def _inverse_kernel(p_ref, inv_ref, *, n, block):
+    rows = _token_block(pl.program_id(0), block, n)
+    pltriton.store(inv_ref.at[pltriton.load(p_ref.at[rows])], rows)
+
+
+INVERSE_ROWS = 512  # permutation entries per program (an H100 sweep of 512-4096: 512 best)
+
+
+def inverse_permutation(permutation: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """See movement_reference.inverse_permutation: inverse[permutation[j]] = j, one store per
+    entry. XLA's scatter for it ran three kernels (a bounds compare, a copy, the scatter):
+    4.1 us at 32K entries on an H100, this kernel 1.8 (docs/performance.md, session 18)."""
+    n = permutation.shape[0]
+    kernel = functools.partial(_inverse_kernel, n=n, block=INVERSE_ROWS)
+    return _call("inverse_permutation", kernel, [permutation],
+                 _out_shape((n,), permutation.dtype, permutation), (cdiv(n, INVERSE_ROWS),),
+                 MoveConfig(block_rows=INVERSE_ROWS, block_cols=1), interpret, None)
+
+
+def _permute_kernel(inv_ref, x_ref, *out_refs, k, tokens, h, cfg, quantize, packed,
+                    saturating):
     """Program (i, j): tokens i*bt.. read once (columns j*bh..), quantized once, and each
     written to its k sorted rows (a scatter): the gather form read every token k times,
     from HBM once x outgrows L2. The whole (bt, bh) tile is stored at once: FP8 rows in
@@ -144,7 +179,7 @@ def _permute_kernel(inv_ref, x_ref, *out_refs, k, tokens, h, cfg, quantize, pack
         return
     q_ref, s_ref = out_refs
     nb = bh // TILE
-    q, scale = _quantize_rows(v.reshape(bt * nb, TILE))
+    q, scale = _quantize_rows(v.reshape(bt * nb, TILE), saturating)
     q, scale = q.reshape(bt, bh), scale.reshape(bt, nb)
     tiles = j * nb + _iota(nb)
     tile_in = (tiles < cdiv(h, TILE))[None, :]
@@ -166,11 +201,13 @@ def permute(x, permutation, k, *, quantize, cfg=None, interpret=False, out_init=
             packed=None):
     """See movement_reference.permute. packed (default: packs_fp8) writes the FP8 rows as
     uint32 words, bitcast back to bytes for free outside the kernel."""
-    cfg = _narrowed(cfg or (QUANTIZED_PERMUTE_CONFIG if quantize else PERMUTE_CONFIG), x.shape[1])
-    if quantize and cfg.block_cols % TILE:
-        raise ValueError(f"quantizing needs block_cols a multiple of {TILE}, got {cfg.block_cols}")
     n_rows, h = permutation.shape[0], x.shape[1]
     packed = quantize and (packs_fp8(n_rows, h) if packed is None else packed)
+    default = (PACKED_PERMUTE_CONFIG if packed else QUANTIZED_PERMUTE_CONFIG) if quantize \
+        else PERMUTE_CONFIG
+    cfg = _narrowed(cfg or default, h)
+    if quantize and cfg.block_cols % TILE:
+        raise ValueError(f"quantizing needs block_cols a multiple of {TILE}, got {cfg.block_cols}")
     if quantize:
         values = (_out_shape((n_rows, h // 4), jnp.uint32, x, permutation) if packed
                   else _out_shape((n_rows, h), FP8, x, permutation))
@@ -179,10 +216,11 @@ def permute(x, permutation, k, *, quantize, cfg=None, interpret=False, out_init=
         outs = (_out_shape((n_rows, h), x.dtype, x, permutation),)
     tokens = x.shape[0]
     kernel = functools.partial(_permute_kernel, k=k, tokens=tokens, h=h, cfg=cfg,
-                               quantize=quantize, packed=packed)
+                               quantize=quantize, packed=packed, saturating=not interpret)
     grid = (cdiv(tokens, cfg.block_rows), cdiv(h, cfg.block_cols))
-    result = _call("dispatch_permute", kernel, [inverse_permutation(permutation), x], outs,
-                   grid, cfg, interpret, out_init)
+    inverse = inverse_permutation(permutation, interpret=interpret)
+    result = _call("dispatch_permute", kernel, [inverse, x], outs, grid, cfg, interpret,
+                   out_init)
     if not quantize:
         return result[0], None
     values = result[0]
@@ -214,7 +252,8 @@ def combine(y, permutation, weights, *, cfg=None, interpret=False, out_init=None
     """See movement_reference.combine."""
     cfg = cfg or COMBINE_CONFIG
     (tokens, k), h = weights.shape, y.shape[1]
-    operands = [inverse_permutation(permutation), weights.reshape(-1).astype(jnp.float32), y]
+    operands = [inverse_permutation(permutation, interpret=interpret),
+                weights.reshape(-1).astype(jnp.float32), y]
     kernel = functools.partial(_combine_kernel, k=k, tokens=tokens, h=h, cfg=cfg)
     grid = (cdiv(tokens, cfg.block_rows), cdiv(h, cfg.block_cols))
     out = _out_shape((tokens, h), y.dtype, y, permutation, weights)
@@ -247,7 +286,8 @@ def combine_backward(g, y, permutation, weights, *, cfg=None, interpret=False, o
     """See movement_reference.combine_backward."""
     cfg = cfg or COMBINE_BWD_CONFIG
     (tokens, k), (n_rows, h) = weights.shape, y.shape
-    operands = [inverse_permutation(permutation), weights.reshape(-1).astype(jnp.float32), g, y]
+    operands = [inverse_permutation(permutation, interpret=interpret),
+                weights.reshape(-1).astype(jnp.float32), g, y]
     col_blocks = cdiv(h, cfg.block_cols)
     outs = (_out_shape((n_rows, h), y.dtype, g, y, permutation, weights),
             _out_shape((n_rows, col_blocks), jnp.float32, g, y, permutation, weights))
@@ -258,15 +298,31 @@ def combine_backward(g, y, permutation, weights, *, cfg=None, interpret=False, o
     return dy, jnp.sum(dots, axis=1).reshape(tokens, k).astype(weights.dtype)
 
 
-def _quantize_tokens_kernel(source_ref, rows_ref, x_ref, q_ref, s_ref, *, width, kdim, cfg):
+def _quantize_tokens_kernel(*refs, width, kdim, cfg, saturating, aligned, dequantize):
+    """Program (i, j): token tile i, columns j*bk.., transposed and quantized in registers.
+    Tile i starts at row i*128 of x unless the tokens go to an aligned layout (`aligned`),
+    whose tile sources and row counts are loaded first: a dependent load at each program's
+    start, which the plain layout does without (about 1 us of a 13-39 us kernel on an H100
+    at T = 4096, session 18). `dequantize`: x is FP8 bits with 1x128 scales along its
+    columns, dequantized in registers (the tile's bk columns share one scale per token)."""
     bk = cfg.block_cols
     i, j = pl.program_id(0), pl.program_id(1)
+    refs = list(refs)
+    source_ref, rows_ref = (refs.pop(0), refs.pop(0)) if aligned else (None, None)
+    x_ref = refs.pop(0)
+    xs_ref = refs.pop(0) if dequantize else None
+    q_ref, s_ref = refs
+    source, rows = (source_ref[i], rows_ref[i]) if aligned else (i * TILE, width - i * TILE)
     cols = pl.ds(j * bk, bk)
-    row_in = _iota(TILE) < rows_ref[i]
+    row_in = _iota(TILE) < rows
     col_in = j * bk + _iota(bk) < kdim
-    v = pltriton.load(x_ref.at[pl.ds(source_ref[i], TILE), cols],
+    v = pltriton.load(x_ref.at[pl.ds(source, TILE), cols],
                       mask=row_in[:, None] & col_in[None, :], other=0)
-    q, scale = _quantize_rows(v.T)  # (bk, 128): one scale per column of x
+    if dequantize:  # as quantize.dequantize: the FP32 product of value and scale
+        x_scale = pltriton.load(xs_ref.at[pl.ds(source, TILE), j * bk // TILE], mask=row_in,
+                                other=0)
+        v = jax.lax.bitcast_convert_type(v, FP8).astype(jnp.float32) * x_scale[:, None]
+    q, scale = _quantize_rows(v.T, saturating)  # (bk, 128): one scale per column of x
     out_in = i * TILE + _iota(TILE) < width
     pltriton.store(q_ref.at[cols, pl.ds(i * TILE, TILE)], q,
                    mask=col_in[:, None] & out_in[None, :])
@@ -274,22 +330,28 @@ def _quantize_tokens_kernel(source_ref, rows_ref, x_ref, q_ref, s_ref, *, width,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def quantize_along_tokens(x, layout: AlignedLayout | None = None, *, cfg=None, interpret=False,
-                          out_init=None):
+def quantize_along_tokens(x, layout: AlignedLayout | None = None, scale=None, *, cfg=None,
+                          interpret=False, out_init=None):
     """See movement_reference.quantize_along_tokens. Each program quantizes one 128-token
     tile, read from its source rows (contiguous in x in both layouts)."""
-    cfg = cfg or TRANSPOSE_CONFIG
+    cfg = cfg or (TRANSPOSE_CONFIG if scale is None else REQUANTIZE_CONFIG)
     if cfg.block_rows != TILE:
         raise ValueError(f"quantize_along_tokens needs block_rows == {TILE}, got {cfg.block_rows}")
+    if scale is not None and TILE % cfg.block_cols:
+        raise ValueError(f"dequantizing needs block_cols dividing {TILE} (one scale per token "
+                         f"in a tile), got {cfg.block_cols}")
     m, kdim = x.shape
-    if layout is None:
-        first = jnp.arange(cdiv(m, TILE), dtype=jnp.int32) * TILE
-        tile_source, tile_rows, width = first, jnp.minimum(m - first, TILE), m
-    else:
-        tile_source, tile_rows, width = layout.tile_source, layout.tile_rows, layout.length
+    operands = [] if layout is None else [layout.tile_source, layout.tile_rows]
+    if scale is None:
+        operands.append(x)
+    else:  # FP8 as its bits: Pallas Triton has no FP8 fill value for the masked load
+        operands += [jax.lax.bitcast_convert_type(x, jnp.uint8), scale]
+    width = m if layout is None else layout.length
     outs = (_out_shape((kdim, width), FP8, x),
             _out_shape((kdim, cdiv(width, TILE)), jnp.float32, x))
-    kernel = functools.partial(_quantize_tokens_kernel, width=width, kdim=kdim, cfg=cfg)
+    kernel = functools.partial(_quantize_tokens_kernel, width=width, kdim=kdim, cfg=cfg,
+                               saturating=not interpret, aligned=layout is not None,
+                               dequantize=scale is not None)
     grid = (cdiv(width, TILE), cdiv(kdim, cfg.block_cols))
-    return tuple(_call("transpose_quantize", kernel, [tile_source, tile_rows, x], outs, grid,
-                       cfg, interpret, out_init))
+    return tuple(_call("transpose_quantize", kernel, operands, outs, grid, cfg, interpret,
+                       out_init))

@@ -194,6 +194,31 @@ def test_quantize_along_tokens_is_quantize_1x128_of_the_transpose(request, m, kd
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
 
 
+@pytest.mark.parametrize("m,kdim,sizes", [(300, 200, None), (77, 384, None),
+                                          (300, 200, [0, 1, 127, 129, 2])])
+def test_quantize_along_tokens_from_fp8_requantizes_the_dequantized_rows(request, m, kdim,
+                                                                         sizes):
+    """FP8 x with its 1x128 scales along K: dequantized in registers, then as BF16 x."""
+    x = jnp.asarray(_rng(request).standard_normal((m, kdim)) * 3, jnp.float32)
+    xq, xs = pk.quantize_1x128(x)
+    layout = None if sizes is None else aligned_layout(jnp.asarray(sizes, jnp.int32), m)
+    width = m if layout is None else layout.length
+    poison = (jnp.full((kdim, width), jnp.nan, jnp.float8_e4m3fn),
+              jnp.full((kdim, -(-width // 128)), jnp.nan))
+    q, s = tm.quantize_along_tokens(xq, layout, xs, interpret=True, out_init=poison)
+    rows = xq.astype(jnp.float32) * jnp.repeat(xs, 128, axis=1)[:, :kdim]  # independent dequant
+    want_q, want_s = pk.quantize_1x128((rows if layout is None else gather_aligned(rows, layout)).T)
+    np.testing.assert_array_equal(_bits(q), _bits(want_q))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
+    np.testing.assert_array_equal(_bits(pk.quantize_along_tokens(xq, layout, xs)[0]), _bits(q))
+
+
+def test_quantize_along_tokens_names_a_wrong_scale_shape():
+    with pytest.raises(ValueError, match=r"scale \(M, ceil\(K/128\)\)"):
+        pk.quantize_along_tokens(jnp.zeros((4, 256), jnp.float8_e4m3fn), None,
+                                 jnp.ones((4, 1), jnp.float32))
+
+
 def _moe_loss(dispatch, combine, probe, experts):
     """A scalar through dispatch -> a per-row nonlinearity -> combine, as the MoE uses them."""
     def loss(x, ids, w):
@@ -277,8 +302,16 @@ def test_offsets_fit_marks_the_fp8_buffers_pallas_triton_would_wrap():
     assert tm.offsets_fit((2**21 + 1, 2**10), jnp.bfloat16)  # over 4 GiB: 64-bit offsets
 
 
+@pytest.mark.parametrize("n", [1, 511, 512, 1300])
+def test_inverse_permutation_kernel_inverts(request, n):
+    perm = _rng(request).permutation(n).astype(np.int32)
+    got = tm.inverse_permutation(jnp.asarray(perm), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.argsort(perm))
+
+
 @pytest.mark.parametrize("op", ["permute_fp8", "permute_fp8_words", "permute", "combine",
-                                "combine_backward", "quantize_along_tokens"])
+                                "combine_backward", "quantize_along_tokens",
+                                "quantize_along_tokens_from_fp8", "inverse_permutation"])
 def test_triton_kernels_lower_for_cuda(op):
     """The Triton lowering (not the interpreter) accepts every kernel: caught here, on CPU,
     before a GPU is needed."""
@@ -293,9 +326,16 @@ def test_triton_kernels_lower_for_cuda(op):
         "combine": (tm.combine, (y, perm, w)),
         "combine_backward": (tm.combine_backward, (x, y, perm, w)),
         "quantize_along_tokens": (tm.quantize_along_tokens, (x,)),
+        "quantize_along_tokens_from_fp8": (
+            lambda x, s: tm.quantize_along_tokens(x, None, s),
+            (jax.ShapeDtypeStruct((t, h), jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct((t, 3), jnp.float32))),
+        "inverse_permutation": (tm.inverse_permutation, (perm,)),
     }[op]
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("xla.gpu.triton") == 1
+    # the scatter-form kernels run the inverse permutation's kernel first
+    inverted = op.startswith(("permute", "combine"))
+    assert text.count("xla.gpu.triton") == 1 + inverted
 
 
 # ---- on a GPU: the Triton kernels at model shapes -------------------------------------
@@ -337,3 +377,45 @@ def test_gpu_dispatch_combine_and_grads(tokens, hidden, k, experts):
     for g, r in zip(got, want):
         assert _rel64(g, np.asarray(r, np.float64)) <= 1e-5
 
+
+
+def _fp8_bits_match(got, want) -> None:
+    """FP8 arrays equal bit for bit, NaNs anywhere one is NaN (their sign bits may differ)."""
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    fin = ~np.isnan(w)
+    np.testing.assert_array_equal(_bits(got)[fin], _bits(want)[fin])
+
+
+@pytest.mark.gpu
+def test_gpu_quantizing_kernels_leave_the_clamp_to_the_fp8_cast():
+    """Compiled, the kernels drop quantize_1x128's clamp (the GPU's E4M3 cast saturates).
+    Tiles along both axes with a 1e4x outlier, tiny values, values at the smallest normal
+    (their scale underflows), all-equal values, inf and NaN still give its exact bits, and
+    re-quantizing x's FP8 copy along tokens gives the reference's."""
+    rng = np.random.default_rng(18)
+    t, h = 512, 1024
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    x[0, 7], x[40, 20] = 3e4, 3e4
+    x[1], x[:, 21] = 1e-30 * x[1], 1e-30 * x[:, 21]
+    x[2, :128], x[:128, 22] = 1.2e-38, 1.2e-38
+    x[3], x[:, 23] = 2.5, 2.5
+    x[4, 9], x[70, 24] = np.inf, -np.inf
+    x[5, 11], x[80, 25] = np.nan, np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    perm = jnp.asarray(rng.permutation(t).astype(np.int32))
+    with pk.use_backend("triton"):
+        q, s = jax.jit(lambda x, p: tm.permute(x, p, 1, quantize=True))(x, perm)
+        qt, st = jax.jit(pk.quantize_along_tokens)(x)
+    want_q, want_s = pk.quantize_1x128(x[perm])
+    _fp8_bits_match(q, want_q)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
+    want_qt, want_st = pk.quantize_1x128(x.T)
+    _fp8_bits_match(qt, want_qt)
+    np.testing.assert_array_equal(np.asarray(st), np.asarray(want_st))
+    xq, xs = jax.jit(pk.quantize_1x128)(x)  # and from FP8, as an FP8 linear's saved input
+    with pk.use_backend("triton"):
+        rq, rs = jax.jit(pk.quantize_along_tokens)(xq, None, xs)
+    want_rq, want_rs = jax.jit(ref.quantize_along_tokens)(xq, None, xs)
+    _fp8_bits_match(rq, want_rq)
+    np.testing.assert_array_equal(np.asarray(rs), np.asarray(want_rs))
