@@ -107,24 +107,29 @@ def _routing(key, tokens: int, experts: int) -> jax.Array:
     return jax.lax.top_k(jax.random.uniform(key, (tokens, experts)), K)[1].astype(jnp.int32)
 
 
+def op_inputs(tokens: int, hidden: int, experts: int) -> list[dict[str, jax.Array]]:
+    """`input_sets` sets of every op's random inputs: x (and its FP8 copy xq, xs), the
+    routing (ids, perm), router weights w, expert outputs y and a gradient g."""
+    inputs = []
+    for key in jax.random.split(jax.random.key(tokens + hidden + experts),
+                                input_sets(tokens, hidden)):
+        kx, ki, kw, ky, kg = jax.random.split(key, 5)
+        ids = _routing(ki, tokens, experts)
+        x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16) * 3
+        xq, xs = pk.quantize_1x128(x)
+        inputs.append(dict(
+            x=x, xq=xq, xs=xs, ids=ids, perm=pk.sort_by_expert(ids, experts)[0],
+            w=jax.random.uniform(kw, (tokens, K), jnp.float32),
+            y=jax.random.normal(ky, (tokens * K, hidden), jnp.bfloat16),
+            g=jax.random.normal(kg, (tokens, hidden), jnp.bfloat16)))
+    return inputs
+
+
 def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
                interpret: bool, only: str = "") -> list[Row]:
     n = tokens * K
     label = f"T={tokens} H={hidden} E={experts}"
-    sets = input_sets(tokens, hidden)
-    keys = jax.random.split(jax.random.key(tokens + hidden + experts), 5 * sets)
-    inputs = []
-    for s in range(sets):
-        kx, ki, kw, ky, kg = keys[5 * s:5 * s + 5]
-        ids = _routing(ki, tokens, experts)
-        perm, _ = pk.sort_by_expert(ids, experts)
-        x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16) * 3
-        xq, xs = pk.quantize_1x128(x)
-        inputs.append(dict(
-            x=x, xq=xq, xs=xs, ids=ids, perm=perm,
-            w=jax.random.uniform(kw, (tokens, K), jnp.float32),
-            y=jax.random.normal(ky, (n, hidden), jnp.bfloat16),
-            g=jax.random.normal(kg, (tokens, hidden), jnp.bfloat16)))
+    inputs = op_inputs(tokens, hidden, experts)
 
     def argsets(*names):
         return [tuple(i[name] for name in names) for i in inputs]
@@ -290,14 +295,7 @@ def tune(tokens: int, copy_bw: float, repeats: int) -> None:
     print("\n| kernel | H | block_rows x block_cols, warps | us | % copy |\n|---|---|---|---|---|")
     for hidden, experts in PAIRED:
         n = tokens * K
-        sets = []
-        for key in jax.random.split(jax.random.key(1), input_sets(tokens, hidden)):
-            ks = jax.random.split(key, 4)
-            sets.append(dict(
-                x=jax.random.normal(ks[0], (tokens, hidden), jnp.bfloat16),
-                perm=pk.sort_by_expert(_routing(ks[1], tokens, experts), experts)[0],
-                w=jax.random.uniform(ks[2], (tokens, K), jnp.float32),
-                y=jax.random.normal(ks[3], (n, hidden), jnp.bfloat16)))
+        sets = op_inputs(tokens, hidden, experts)
         cases = [
             ("permute fp8", "permute", 2 * tokens * hidden + n * hidden,
              lambda c: (lambda x, p: tm.permute(x, p, K, quantize=True, cfg=c)), ("x", "perm")),

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from pallas_kernels import movement_reference, triton_movement
 from pallas_kernels.backend import backend
 from pallas_kernels.group_schedule import AlignedLayout
-from pallas_kernels.quantize import as_residual, dequantize, from_residual, quantize_1x128
+from pallas_kernels.quantize import (TILE, as_residual, cdiv, dequantize, from_residual,
+                                     quantize_1x128)
 
 # Ops whose XLA compile of the reference already runs at the kernel's speed on a GPU, so
 # the GPU backends use the reference for them: combine's forward (mostly reads; XLA
@@ -174,7 +175,7 @@ def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None,
     way (an FP8 linear's saved input, re-quantized along tokens in the same pass)."""
     if x.ndim != 2:
         raise ValueError(f"quantize_along_tokens wants x (M, K), got {x.shape}")
-    if scale is not None and scale.shape != (x.shape[0], -(-x.shape[1] // 128)):
+    if scale is not None and scale.shape != (x.shape[0], cdiv(x.shape[1], TILE)):
         raise ValueError(f"quantize_along_tokens wants scale (M, ceil(K/128)) for x "
                          f"{x.shape}, got {scale.shape}")
     shapes = ((x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn))

@@ -147,18 +147,19 @@ def _inverse_kernel(p_ref, inv_ref, *, n, block):
     pltriton.store(inv_ref.at[pltriton.load(p_ref.at[rows])], rows)
 
 
-INVERSE_ROWS = 512  # permutation entries per program (an H100 sweep of 512-4096: 512 best)
+# Permutation entries per program (an H100 sweep of 512-4096 entries: 512 best).
+INVERSE_CONFIG = MoveConfig(block_rows=512, block_cols=1)
 
 
 def inverse_permutation(permutation: jax.Array, *, interpret: bool = False) -> jax.Array:
     """See movement_reference.inverse_permutation: inverse[permutation[j]] = j, one store per
     entry. XLA's scatter for it ran three kernels (a bounds compare, a copy, the scatter):
     4.1 us at 32K entries on an H100, this kernel 1.8 (docs/performance.md, session 18)."""
-    n = permutation.shape[0]
-    kernel = functools.partial(_inverse_kernel, n=n, block=INVERSE_ROWS)
+    n, rows = permutation.shape[0], INVERSE_CONFIG.block_rows
+    kernel = functools.partial(_inverse_kernel, n=n, block=rows)
     return _call("inverse_permutation", kernel, [permutation],
-                 _out_shape((n,), permutation.dtype, permutation), (cdiv(n, INVERSE_ROWS),),
-                 MoveConfig(block_rows=INVERSE_ROWS, block_cols=1), interpret, None)
+                 _out_shape((n,), permutation.dtype, permutation), (cdiv(n, rows),),
+                 INVERSE_CONFIG, interpret, None)
 
 
 def _permute_kernel(inv_ref, x_ref, *out_refs, k, tokens, h, cfg, quantize, packed,
