@@ -9,7 +9,9 @@ reference on the same inputs, both against the device's own copy bandwidth.
    once, each output written once), kernel and XLA times, each as a fraction of copy
    bandwidth, and XLA time / kernel time; and a plain copy of the floor's bytes (what a
    streaming kernel of the op's size reaches). Outputs are checked against the reference first
-   (bitwise where the op is a permutation or a quantization).
+   (bitwise where the op is a permutation or a quantization). Then the FP8 linears' weight
+   quantization (FP32 (G, K, N) -> both FP8 layouts) on expert-stack shapes, and SwiGLU
+   fused with its 1x128 quantization on expert-row shapes.
 3. One MoE layer (`small` preset shapes) forward+backward on one device: fused movement ops
    vs the unfused reference (argsort, XLA gather/scatter, plain autodiff), tokens/s, and
    data movement's share of the device time from a jax.profiler trace (with --profile) and
@@ -43,14 +45,23 @@ from moejax.model.expert_ffn import ExpertWeights
 
 K = 8
 TOKENS = (4096, 16384, 65536)
+# Expert stacks (G, K, N): the small preset's gate/up and down, DeepSeek-V3's 8 local experts.
+WEIGHT_SHAPES = "64x1024x704,64x704x1024,8x7168x2048"
+# Expert rows (T*k, I): the small preset's batch of 16 x 1024 tokens (k = 6), and V3's I.
+SWIGLU_SHAPES = "98304x704,32768x2048"
 PAIRED = ((7168, 256), (2048, 64))  # DeepSeek-V3's and V2-Lite's (hidden, experts)
 CROSSED = ((7168, 256), (7168, 64), (2048, 256), (2048, 64))
 SET_BYTES = 512 * 2**20  # input sets per call: as many x (T, H) as fit this (<= 8 sets)
 
 
+def sets_fitting(nbytes: int) -> int:
+    """Input sets per timed call: as many inputs of nbytes as fit SET_BYTES, at most 8."""
+    return max(1, min(8, SET_BYTES // nbytes))
+
+
 def input_sets(tokens: int, hidden: int) -> int:
-    """Input sets per timed call: as many x (T, H) as fit SET_BYTES, at most 8."""
-    return max(1, min(8, SET_BYTES // (tokens * hidden * 2)))
+    """Input sets per timed call of the token ops: as many x (T, H) as fit SET_BYTES."""
+    return sets_fitting(tokens * hidden * 2)
 
 
 def per_call_seconds(fn: Callable, arg_sets: list[tuple], repeats: int) -> float:
@@ -175,6 +186,36 @@ def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
                              repeats))
         print(format_row(rows[-1], None), flush=True)
     return rows
+
+
+def weight_rows(shape: tuple[int, int, int], repeats: int, interpret: bool) -> list[Row]:
+    """quantize_weights of FP32 (G, K, N) weights: floor = 4 bytes read and 2 written (both
+    FP8 layouts) per element, plus the block scales."""
+    g, k, n = shape
+    keys = jax.random.split(jax.random.key(g + k + n), sets_fitting(4 * g * k * n))
+    args = [(jax.random.normal(key, shape, jnp.float32),) for key in keys]
+    floor = 6 * g * k * n + 4 * g * cdiv(k, TILE) * cdiv(n, TILE)
+    kernel = functools.partial(tm.quantize_weights, interpret=interpret)
+    row = _measure(f"W={g}x{k}x{n}", "quantize_weights (FP32 -> FP8 w, w^T)", floor, kernel,
+                   ref.quantize_weights, args, "bitwise", repeats)
+    print(format_row(row, None), flush=True)
+    return [row]
+
+
+def swiglu_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[Row]:
+    """swiglu_quantize of BF16 gate and up (M, I): floor = 4 bytes read and 1 written per
+    element, plus the scales. Checked as "rel": Triton's SiLU rounds a few BF16 values one
+    ulp off XLA's."""
+    rows, cols = shape
+    keys = jax.random.split(jax.random.key(rows + cols), sets_fitting(4 * rows * cols))
+    args = [tuple(jax.random.normal(k, shape, jnp.bfloat16) * 3 for k in jax.random.split(key))
+            for key in keys]
+    floor = 5 * rows * cols + 4 * rows * cdiv(cols, TILE)
+    kernel = functools.partial(tm.swiglu_quantize, interpret=interpret)
+    row = _measure(f"M={rows} I={cols}", "swiglu_quantize (gate, up -> FP8)", floor, kernel,
+                   ref.swiglu_quantize, args, "rel", repeats)
+    print(format_row(row, None), flush=True)
+    return [row]
 
 
 def _measure(label, name, floor, kernel, xla, args, check, repeats) -> Row:
@@ -369,6 +410,10 @@ def main() -> None:
     parser.add_argument("--interpret", action="store_true",
                         help="kernels in Pallas interpret mode (a CPU smoke run at tiny --tokens)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--weights", default=WEIGHT_SHAPES,
+                        help="GxKxN weight stacks for quantize_weights ('' to skip)")
+    parser.add_argument("--swiglu", default=SWIGLU_SHAPES,
+                        help="MxI expert rows for swiglu_quantize ('' to skip)")
     parser.add_argument("--moe-tokens", default="8192,32768", help="'' to skip the MoE layer")
     parser.add_argument("--profile", default=None, help="trace dir for the MoE layer split")
     parser.add_argument("--json", default=None)
@@ -388,6 +433,12 @@ def main() -> None:
             rows += shape_rows(tokens, hidden, experts, args.repeats, args.interpret,
                                args.only)
             print(f"done T={tokens} H={hidden} E={experts}", flush=True)
+    for shape in filter(None, args.weights.split(",")):
+        rows += weight_rows(tuple(int(d) for d in shape.split("x")), args.repeats,
+                            args.interpret)
+    for shape in filter(None, args.swiglu.split(",")):
+        rows += swiglu_rows(tuple(int(d) for d in shape.split("x")), args.repeats,
+                            args.interpret)
     moe_tokens = [int(t) for t in args.moe_tokens.split(",") if t][:1 if args.quick else None]
     layers = [d for t in moe_tokens for d in moe_layer(t, args.repeats, args.profile)]
     copy_bw = max(copy_bw, copy_bandwidth(args.repeats))  # again, with the clocks up

@@ -11,9 +11,9 @@ scale tile mixes two experts' tokens and the WGMMA kernel needs no masking.
 Weights come as stored, (K, N) or (G, K, N), and their gradients leave in that layout, so
 the optimizer updates them in place (a (G, N, K) gradient made XLA's AdamW fusion transpose
 every expert stack, write it to a temporary and copy it back into the donated buffer). The
-128x128 blocks are quantized in that layout once; dgrad reads them as they are, fprop reads
-their FP8 transpose (w^T's blocks are w's blocks transposed: same scales, same values), and
-wgrad computes x^T dy.
+128x128 blocks are quantized once, by one pass that writes both FP8 layouts
+(``movement.quantize_weights``); dgrad reads them as they are, fprop reads the FP8 transpose
+(w^T's blocks are w's blocks transposed: same scales, same values), and wgrad computes x^T dy.
 
 FP8 activation storage: the residuals are the FP8 copies made for fprop (x with its
 1x128 scales, w with its 128x128 scales), not the BF16/FP32 inputs. wgrad needs x quantized
@@ -22,12 +22,9 @@ as DeepSeek-V3 does. That is a second rounding: x is first rounded to E4M3 on it
 K-tile scale, then re-rounded on its token-tile scale, so wgrad sees up to two E4M3
 half-ulps (2 x 2^-4 relative) per element instead of one; where a token tile's scale equals
 the K tile's (or differs by a power of two) the second rounding is exact. The SwiGLU
-variant below avoids it: its wgrad operand is recomputed and rounded once.
+down projection below avoids it: its wgrad operand is recomputed and rounded once.
 """
 from __future__ import annotations
-
-import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +32,9 @@ import jax.numpy as jnp
 from pallas_kernels.backend import ops
 from pallas_kernels.gemm import scaled_matmul
 from pallas_kernels.group_schedule import AlignedLayout, aligned_layout
-from pallas_kernels.movement import quantize_along_tokens
-from pallas_kernels.quantize import (TILE, as_residual, dequantize, from_residual, quantize_1x128,
-                                     quantize_128x128)
-
-_quantize_weights = jax.vmap(quantize_128x128)
+from pallas_kernels.movement import quantize_along_tokens, quantize_weights, swiglu_quantize
+from pallas_kernels.movement_reference import swiglu_fp32
+from pallas_kernels.quantize import TILE, as_residual, dequantize, from_residual, quantize_1x128
 
 # An FP8 operand: values and their FP32 tile scales (saved as ``quantize.as_residual`` keeps
 # them: the values as uint8 bits).
@@ -55,11 +50,16 @@ def _dtype_marker(x: jax.Array) -> jax.Array:
     return jnp.zeros((0,), x.dtype)
 
 
-def _fprop(x: Quantized, w: Quantized, group_sizes, dtype) -> jax.Array:
-    """y = x w: the kernel contracts K-major operands, so it reads w^T (G, N, K)."""
-    wq, ws = w
-    return scaled_matmul(*x, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(ws, 1, 2), group_sizes,
-                         b_row_tile=TILE, out_dtype=dtype)
+def _fprop(x: Quantized, w_t: Quantized, group_sizes, dtype) -> jax.Array:
+    """y = x w: the kernel contracts K-major operands, so it reads w^T (G, N, K) with its
+    (G, N/128, K/128) block scales."""
+    return scaled_matmul(*x, *w_t, group_sizes, b_row_tile=TILE, out_dtype=dtype)
+
+
+def _quantized_weights(w: jax.Array) -> tuple[Quantized, Quantized]:
+    """w (G, K, N) for dgrad and w^T (G, N, K) for fprop, FP8 with their block scales."""
+    wq, wq_t, scale = quantize_weights(w)
+    return (wq, scale), (wq_t, jnp.swapaxes(scale, 1, 2))
 
 
 def _dgrad(dy, w: Quantized, group_sizes, dtype) -> jax.Array:
@@ -99,8 +99,8 @@ def _forward(x, w, sizes, x_kept: Quantized | None = None):
     ``x_kept``: x's 1x128 quantization in that form if the caller already has it (then x
     itself is not read, and the caller's copy is the residual: GEMMs sharing it keep one)."""
     x_kept = as_residual(quantize_1x128(x)) if x_kept is None else x_kept
-    wq = _quantize_weights(w)
-    return _fprop(from_residual(x_kept), wq, sizes, x.dtype), (
+    wq, wq_t = _quantized_weights(w)
+    return _fprop(from_residual(x_kept), wq_t, sizes, x.dtype), (
         x_kept, as_residual(wq), sizes, _dtype_marker(x), _dtype_marker(w))
 
 
@@ -145,48 +145,44 @@ def _grouped_bwd(res, dy):
 fp8_grouped_linear.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-Activation = Callable[[jax.Array, jax.Array], jax.Array]
+@jax.custom_vjp
+def fp8_swiglu_grouped_linear(gate: jax.Array, up: jax.Array, w: jax.Array,
+                              group_sizes: jax.Array) -> jax.Array:
+    """y[r] = SwiGLU(gate, up)[r] @ w[g], w (G, I, N): a SwiGLU MLP's down projection, with
+    SwiGLU in FP32 rounded to gate's dtype.
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def fp8_gated_grouped_linear(gate: jax.Array, up: jax.Array, w: jax.Array,
-                             group_sizes: jax.Array, activation: Activation) -> jax.Array:
-    """y[r] = activation(gate, up)[r] @ w[g], w (G, I, N) (e.g. SwiGLU then the down
-    projection).
-
-    Backward keeps gate and up as FP8 copies (1x128 scales) and recomputes the activation
-    from them, instead of keeping gate, up (BF16) and the activation's FP8 copy: 2 bytes per
-    intermediate element instead of 5. The activation is given in FP32 math by the caller.
+    Forward makes the FP8 operand in one pass (``movement.swiglu_quantize``). Backward keeps
+    gate and up as FP8 copies (1x128 scales) and recomputes SwiGLU from them, instead of
+    keeping gate, up (BF16) and SwiGLU's FP8 copy: 2 bytes per intermediate element, not 5.
     """
-    return _gated_fwd(gate, up, w, group_sizes, activation)[0]
+    return _swiglu_fwd(gate, up, w, group_sizes)[0]
 
 
-def _activate(gate, up, activation: Activation, dtype) -> jax.Array:
-    return activation(gate, up).astype(dtype)
+def _swiglu(gate, up, dtype) -> jax.Array:
+    return swiglu_fp32(gate, up).astype(dtype)
 
 
-def _gated_fwd(gate, up, w, group_sizes, activation):
+def _swiglu_fwd(gate, up, w, group_sizes):
     sizes = group_sizes.astype(jnp.int32)
-    wq = _quantize_weights(w)
-    y = _fprop(quantize_1x128(_activate(gate, up, activation, gate.dtype)), wq, sizes,
-               gate.dtype)
+    wq, wq_t = _quantized_weights(w)
+    y = _fprop(swiglu_quantize(gate, up), wq_t, sizes, gate.dtype)
     saved = (as_residual(quantize_1x128(gate)), as_residual(quantize_1x128(up)),
              as_residual(wq), sizes, _dtype_marker(gate), _dtype_marker(w))
     return y, saved
 
 
-def _gated_bwd(activation, res, dy):
+def _swiglu_bwd(res, dy):
     gate_q, up_q, wq, sizes, x_dtype, w_dtype = res
     gate_q, up_q, wq = map(from_residual, (gate_q, up_q, wq))
     dtype = x_dtype.dtype
     gate, up = (dequantize(*q, row_tile=1) for q in (gate_q, up_q))  # FP32
-    hidden, activation_vjp = jax.vjp(lambda g, u: _activate(g, u, activation, dtype), gate, up)
-    # The recomputed activation is quantized along tokens straight from its BF16 value:
+    hidden, swiglu_vjp = jax.vjp(lambda g, u: _swiglu(g, u, dtype), gate, up)
+    # The recomputed SwiGLU is quantized along tokens straight from its BF16 value:
     # one rounding for wgrad here, unlike a plain FP8 linear's saved input.
     layout = aligned_layout(sizes, dy.shape[0])
     dw = _wgrad(dy, quantize_along_tokens(hidden, layout), layout, w_dtype.dtype)
-    d_gate, d_up = activation_vjp(_dgrad(dy, wq, sizes, dtype))
+    d_gate, d_up = swiglu_vjp(_dgrad(dy, wq, sizes, dtype))
     return d_gate.astype(dtype), d_up.astype(dtype), dw, None
 
 
-fp8_gated_grouped_linear.defvjp(_gated_fwd, _gated_bwd)
+fp8_swiglu_grouped_linear.defvjp(_swiglu_fwd, _swiglu_bwd)

@@ -1,5 +1,7 @@
 """Public token-movement ops around a MoE layer: dispatch (sort the T*k token copies by
-expert, optionally quantized to FP8 on the way) and combine (un-sort, weight, sum over k).
+expert, optionally quantized to FP8 on the way) and combine (un-sort, weight, sum over k);
+and the FP8 linears' quantizing passes (along tokens for wgrad, weights into both layouts,
+the SwiGLU output for the down projection).
 
 The sort itself is index math on T*k int32 keys, shared by every backend; the passes over
 the (T*k, H) data run on the backend chosen in `backend.py` (Triton kernels, the same
@@ -180,3 +182,24 @@ def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None,
                          f"{x.shape}, got {scale.shape}")
     shapes = ((x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn))
     return _impl("quantize_along_tokens", *shapes)(x, layout, scale)
+
+
+def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An FP8 linear's weights w (G, K, N), as stored, quantized per 128x128 block once and
+    written in both layouts: (G, K, N) FP8 for dgrad, (G, N, K) FP8 for fprop (the WGMMA
+    kernels read FP8 operands K-major), and their shared (G, ceil(K/128), ceil(N/128)) FP32
+    scales. Bit-identical to ``quantize_128x128`` of each w[g] and its transpose."""
+    if w.ndim != 3:
+        raise ValueError(f"quantize_weights wants w (G, K, N), got {w.shape}")
+    return _impl("quantize_weights", (w.shape, w.dtype), (w.shape, jnp.float8_e4m3fn))(w)
+
+
+def swiglu_quantize(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """quantize_1x128(SwiGLU(gate, up)) of the 16-bit (M, I) gate and up rows, with SwiGLU in
+    FP32 rounded to gate's dtype first: one read of gate and up, one write of the (M, I) FP8
+    rows and (M, ceil(I/128)) scales."""
+    if gate.ndim != 2 or gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu_quantize wants gate and up of one (M, I) shape and dtype, got "
+                         f"{gate.shape} {gate.dtype} and {up.shape} {up.dtype}")
+    return _impl("swiglu_quantize", (gate.shape, gate.dtype), (gate.shape, jnp.float8_e4m3fn))(
+        gate, up)

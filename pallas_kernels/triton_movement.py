@@ -13,15 +13,20 @@ the output, the index math and quantization in registers between them.
   scales, dequantized in the same pass (an FP8 linear's saved input, for its wgrad).
 - `inverse_permutation`: the sorted row of each token copy, which the scatter-form kernels
   index by (one store per element, where XLA's scatter ran three kernels).
+- `quantize_weights`: an FP8 linear's 128x128 weight blocks, quantized once from the stored
+  (G, K, N) weights and written in both layouts the GEMMs read.
+- `swiglu_quantize`: SwiGLU of the 16-bit gate and up rows, quantized 1x128 in the same
+  pass (the FP8 down projection's input; XLA wrote it in FP32 and read it twice more).
 
-Quantization is bit-identical to `quantize.quantize_1x128` on the same platform: the
-same FP32 operations in the same order. On an H100 the kernels' FP8 values and scales
-matched XLA's bit for bit over 117M elements with Triton's own `/`; correctly rounded
-division (`div.rn`) did not (XLA's GPU amax / 448 is not the IEEE quotient either).
-Compiled for a GPU, the kernels leave out quantize_1x128's clamp to +-448: the GPU's FP32
-to E4M3 conversion saturates (PTX allows it only as `cvt.rn.satfinite`), which gives the
-clamp's result on every input, NaN included; interpret mode keeps the clamp, as a plain
-cast overflows to NaN there.
+Quantization is bit-identical to `quantize.quantize_1x128` on the same platform: the same
+FP32 operations in the same order (`swiglu_quantize`'s SiLU is not: Triton's exp is not
+XLA's, so its BF16 rounding can land one ulp apart). On an H100 the kernels' FP8 values and
+scales matched XLA's bit for bit over 117M elements with Triton's own `/`; correctly rounded
+division (`div.rn`) did not (XLA's GPU amax / 448 is not the IEEE quotient either). Compiled
+for a GPU, the kernels leave out quantize_1x128's clamp to +-448: the GPU's FP32 to E4M3
+conversion saturates (PTX allows it only as `cvt.rn.satfinite`), which gives the clamp's
+result on every input, NaN included; interpret mode keeps the clamp, as a plain cast
+overflows to NaN there.
 """
 from __future__ import annotations
 
@@ -62,6 +67,11 @@ COMBINE_BWD_CONFIG = MoveConfig(block_rows=8, block_cols=1024)
 TRANSPOSE_CONFIG = MoveConfig(block_rows=TILE, block_cols=64)
 # From FP8 x, 128 columns: whole 128-byte rows (8-15% faster than 64 on an H100, session 18).
 REQUANTIZE_CONFIG = MoveConfig(block_rows=TILE, block_cols=TILE)
+# One 128x128 weight block a program; 8 warps hold its 16K FP32 values in 64 registers each.
+WEIGHT_CONFIG = MoveConfig(block_rows=TILE, block_cols=TILE, num_warps=8)
+# An H100 sweep of 8 tiles at (M, I) = (98304, 704) and (32768, 2048): 8 x 256 within 2% of
+# the best at both (86% and 90% of a same-size copy; 2.2x and 1.7x XLA).
+SWIGLU_CONFIG = MoveConfig(block_rows=8, block_cols=256)
 
 
 def offsets_fit(shape: tuple[int, ...], dtype) -> bool:
@@ -355,4 +365,74 @@ def quantize_along_tokens(x, layout: AlignedLayout | None = None, scale=None, *,
                                dequantize=scale is not None)
     grid = (cdiv(width, TILE), cdiv(kdim, cfg.block_cols))
     return tuple(_call("transpose_quantize", kernel, operands, outs, grid, cfg, interpret,
+                       out_init))
+
+
+def _quantize_weights_kernel(w_ref, q_ref, qt_ref, s_ref, *, rows, cols, saturating):
+    """Program (g, i, j): block (i, j) of w[g], read once, quantized on its one scale, and
+    stored as is and transposed (the transpose goes through shared memory, not HBM)."""
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row_in, col_in = i * TILE + _iota(TILE) < rows, j * TILE + _iota(TILE) < cols
+    mask = row_in[:, None] & col_in[None, :]
+    r, c = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
+    v = pltriton.load(w_ref.at[g, r, c], mask=mask, other=0).astype(jnp.float32)
+    q, scale = _quantize_rows(v.reshape(1, TILE * TILE), saturating)
+    q = q.reshape(TILE, TILE)
+    pltriton.store(q_ref.at[g, r, c], q, mask=mask)
+    pltriton.store(qt_ref.at[g, c, r], q.T, mask=mask.T)
+    pltriton.store(s_ref.at[g, i, pl.ds(j, 1)], scale)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def quantize_weights(w, *, interpret=False, out_init=None):
+    """See movement_reference.quantize_weights: one read of w, one write of each layout.
+    XLA's compile of the reference transposed the FP32 stack (8 bytes an element) and read
+    it twice more (amax, then quantize) before writing the two FP8 copies
+    (docs/performance.md, session 19)."""
+    groups, rows, cols = w.shape
+    nr, nc = cdiv(rows, TILE), cdiv(cols, TILE)
+    outs = (_out_shape((groups, rows, cols), FP8, w), _out_shape((groups, cols, rows), FP8, w),
+            _out_shape((groups, nr, nc), jnp.float32, w))
+    kernel = functools.partial(_quantize_weights_kernel, rows=rows, cols=cols,
+                               saturating=not interpret)
+    return tuple(_call("weights_transpose_quantize", kernel, [w], outs, (groups, nr, nc),
+                       WEIGHT_CONFIG, interpret, out_init))
+
+
+def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *, rows, cols, cfg, saturating):
+    """Program (i, j): rows i*bt.., columns j*bh.. of gate and up, read once; SwiGLU in FP32,
+    rounded to the inputs' dtype, quantized per 1x128 tile (masked lanes load 0, which
+    leaves each tile's amax alone)."""
+    bt, bh = cfg.block_rows, cfg.block_cols
+    i, j = pl.program_id(0), pl.program_id(1)
+    row_in = i * bt + _iota(bt) < rows
+    mask = row_in[:, None] & (j * bh + _iota(bh) < cols)[None, :]
+    r, c = pl.ds(i * bt, bt), pl.ds(j * bh, bh)
+    gate = pltriton.load(g_ref.at[r, c], mask=mask, other=0).astype(jnp.float32)
+    up = pltriton.load(u_ref.at[r, c], mask=mask, other=0).astype(jnp.float32)
+    hidden = (jax.nn.silu(gate) * up).astype(g_ref.dtype).astype(jnp.float32)
+    nb = bh // TILE
+    q, scale = _quantize_rows(hidden.reshape(bt * nb, TILE), saturating)
+    pltriton.store(q_ref.at[r, c], q.reshape(bt, bh), mask=mask)
+    tiles = j * nb + _iota(nb)
+    tile_in = (tiles < cdiv(cols, TILE))[None, :]
+    pltriton.store(s_ref.at[(i * bt + _iota(bt))[:, None], tiles[None, :]],
+                   scale.reshape(bt, nb), mask=row_in[:, None] & tile_in)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def swiglu_quantize(gate, up, *, cfg=None, interpret=False, out_init=None):
+    """See movement_reference.swiglu_quantize: one read of gate and up, one write of the FP8
+    rows and scales."""
+    cfg = _narrowed(cfg or SWIGLU_CONFIG, gate.shape[1])
+    if cfg.block_cols % TILE:
+        raise ValueError(f"swiglu_quantize needs block_cols a multiple of {TILE}, got "
+                         f"{cfg.block_cols}")
+    rows, cols = gate.shape
+    outs = (_out_shape((rows, cols), FP8, gate, up),
+            _out_shape((rows, cdiv(cols, TILE)), jnp.float32, gate, up))
+    kernel = functools.partial(_swiglu_quantize_kernel, rows=rows, cols=cols, cfg=cfg,
+                               saturating=not interpret)
+    grid = (cdiv(rows, cfg.block_rows), cdiv(cols, cfg.block_cols))
+    return tuple(_call("swiglu_quantize", kernel, [gate, up], outs, grid, cfg, interpret,
                        out_init))

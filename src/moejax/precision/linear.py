@@ -15,21 +15,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from pallas_kernels import grouped_gemm
-from pallas_kernels.fp8_linear import fp8_gated_grouped_linear, fp8_grouped_linear, fp8_linear
+from pallas_kernels.fp8_linear import fp8_grouped_linear, fp8_linear, fp8_swiglu_grouped_linear
+from pallas_kernels.movement_reference import swiglu_fp32
 
 from moejax.memory.remat import SWIGLU_OUTPUT, tag
 from moejax.precision.policy import Precision
-
-
-def _swiglu_fp32(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
 
 
 @jax.custom_vjp
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """SiLU-gated linear unit, computed in FP32 and returned in the inputs' dtype; backward
     keeps only the inputs."""
-    return tag(_swiglu_fp32(gate, up).astype(gate.dtype), SWIGLU_OUTPUT)  # selective recomputes
+    return tag(swiglu_fp32(gate, up).astype(gate.dtype), SWIGLU_OUTPUT)  # selective recomputes
 
 
 def _swiglu_fwd(gate, up):
@@ -101,7 +98,7 @@ def swiglu_linear(gate: jax.Array, up: jax.Array, kernel: jax.Array, precision: 
     """``swiglu(gate, up) @ kernel`` (a SwiGLU MLP's down projection)."""
     if precision is Precision.FP8:
         g, u = _rows(gate.astype(dtype)), _rows(up.astype(dtype))
-        y = fp8_gated_grouped_linear(g, u, kernel[None], _one_group(g), _swiglu_fp32)
+        y = fp8_swiglu_grouped_linear(g, u, kernel[None], _one_group(g))
         return y.reshape(*gate.shape[:-1], kernel.shape[1])
     return linear(swiglu(gate, up), kernel, precision, dtype)
 
@@ -120,5 +117,5 @@ def grouped_swiglu_linear(gate: jax.Array, up: jax.Array, w: jax.Array, group_si
                           precision: Precision) -> jax.Array:
     """Row r of group g: ``swiglu(gate, up)[r] @ w[g]`` (the routed experts' down projection)."""
     if precision is Precision.FP8:
-        return fp8_gated_grouped_linear(gate, up, w, group_sizes, _swiglu_fp32)
+        return fp8_swiglu_grouped_linear(gate, up, w, group_sizes)
     return grouped_linear(swiglu(gate, up), w, group_sizes, precision)
