@@ -181,10 +181,8 @@ def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
     for name, floor, kernel, xla, names, check, runs in ops:
         if only not in name:
             continue
-        args = argsets(*names)
-        rows.append(_measure(label, name, floor, kernel if runs else None, xla, args, check,
-                             repeats))
-        print(format_row(rows[-1], None), flush=True)
+        rows += _measured_row(label, name, floor, kernel if runs else None, xla,
+                              argsets(*names), check, repeats)
     return rows
 
 
@@ -196,10 +194,8 @@ def weight_rows(shape: tuple[int, int, int], repeats: int, interpret: bool) -> l
     args = [(jax.random.normal(key, shape, jnp.float32),) for key in keys]
     floor = 6 * g * k * n + 4 * g * cdiv(k, TILE) * cdiv(n, TILE)
     kernel = functools.partial(tm.quantize_weights, interpret=interpret)
-    row = _measure(f"W={g}x{k}x{n}", "quantize_weights (FP32 -> FP8 w, w^T)", floor, kernel,
-                   ref.quantize_weights, args, "bitwise", repeats)
-    print(format_row(row, None), flush=True)
-    return [row]
+    return _measured_row(f"W={g}x{k}x{n}", "quantize_weights (FP32 -> FP8 w, w^T)", floor,
+                         kernel, ref.quantize_weights, args, "bitwise", repeats)
 
 
 def swiglu_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[Row]:
@@ -212,8 +208,13 @@ def swiglu_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[R
             for key in keys]
     floor = 5 * rows * cols + 4 * rows * cdiv(cols, TILE)
     kernel = functools.partial(tm.swiglu_quantize, interpret=interpret)
-    row = _measure(f"M={rows} I={cols}", "swiglu_quantize (gate, up -> FP8)", floor, kernel,
-                   ref.swiglu_quantize, args, "rel", repeats)
+    return _measured_row(f"M={rows} I={cols}", "swiglu_quantize (gate, up -> FP8)", floor,
+                         kernel, ref.swiglu_quantize, args, "rel", repeats)
+
+
+def _measured_row(label, name, floor, kernel, xla, args, check, repeats) -> list[Row]:
+    """One op's row, printed as it lands (the progress line)."""
+    row = _measure(label, name, floor, kernel, xla, args, check, repeats)
     print(format_row(row, None), flush=True)
     return [row]
 

@@ -135,6 +135,14 @@ def _narrowed(cfg: MoveConfig, h: int) -> MoveConfig:
                                                    max(TILE, pl.next_power_of_2(h))))
 
 
+def _quantizing(cfg: MoveConfig, op: str) -> MoveConfig:
+    """cfg, if its columns hold whole 1x128 scale tiles (a kernel that quantizes rows)."""
+    if cfg.block_cols % TILE:
+        raise ValueError(f"{op} quantizes 1x128 tiles: it needs block_cols a multiple of "
+                         f"{TILE}, got {cfg.block_cols}")
+    return cfg
+
+
 def _pack_words(q: jax.Array) -> jax.Array:
     """(rows, cols) FP8 -> (rows, cols / 4) uint32, four bytes per word, first byte lowest
     (what a little-endian bitcast of the words back to bytes reads)."""
@@ -217,8 +225,8 @@ def permute(x, permutation, k, *, quantize, cfg=None, interpret=False, out_init=
     default = (PACKED_PERMUTE_CONFIG if packed else QUANTIZED_PERMUTE_CONFIG) if quantize \
         else PERMUTE_CONFIG
     cfg = _narrowed(cfg or default, h)
-    if quantize and cfg.block_cols % TILE:
-        raise ValueError(f"quantizing needs block_cols a multiple of {TILE}, got {cfg.block_cols}")
+    if quantize:
+        _quantizing(cfg, "the FP8 permute")
     if quantize:
         values = (_out_shape((n_rows, h // 4), jnp.uint32, x, permutation) if packed
                   else _out_shape((n_rows, h), FP8, x, permutation))
@@ -405,7 +413,8 @@ def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *, rows, cols, cfg, satu
     leaves each tile's amax alone)."""
     bt, bh = cfg.block_rows, cfg.block_cols
     i, j = pl.program_id(0), pl.program_id(1)
-    row_in = i * bt + _iota(bt) < rows
+    row_ids = i * bt + _iota(bt)
+    row_in = row_ids < rows
     mask = row_in[:, None] & (j * bh + _iota(bh) < cols)[None, :]
     r, c = pl.ds(i * bt, bt), pl.ds(j * bh, bh)
     gate = pltriton.load(g_ref.at[r, c], mask=mask, other=0).astype(jnp.float32)
@@ -416,7 +425,7 @@ def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *, rows, cols, cfg, satu
     pltriton.store(q_ref.at[r, c], q.reshape(bt, bh), mask=mask)
     tiles = j * nb + _iota(nb)
     tile_in = (tiles < cdiv(cols, TILE))[None, :]
-    pltriton.store(s_ref.at[(i * bt + _iota(bt))[:, None], tiles[None, :]],
+    pltriton.store(s_ref.at[row_ids[:, None], tiles[None, :]],
                    scale.reshape(bt, nb), mask=row_in[:, None] & tile_in)
 
 
@@ -424,10 +433,7 @@ def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *, rows, cols, cfg, satu
 def swiglu_quantize(gate, up, *, cfg=None, interpret=False, out_init=None):
     """See movement_reference.swiglu_quantize: one read of gate and up, one write of the FP8
     rows and scales."""
-    cfg = _narrowed(cfg or SWIGLU_CONFIG, gate.shape[1])
-    if cfg.block_cols % TILE:
-        raise ValueError(f"swiglu_quantize needs block_cols a multiple of {TILE}, got "
-                         f"{cfg.block_cols}")
+    cfg = _quantizing(_narrowed(cfg or SWIGLU_CONFIG, gate.shape[1]), "swiglu_quantize")
     rows, cols = gate.shape
     outs = (_out_shape((rows, cols), FP8, gate, up),
             _out_shape((rows, cdiv(cols, TILE)), jnp.float32, gate, up))
