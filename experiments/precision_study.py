@@ -129,15 +129,30 @@ def train(cfg: ExperimentConfig, runs: list[tuple[int, np.ndarray]],
     for seed, batches in runs:
         state = init(seed)
         losses, times, held_out_losses = [], [], {}
+        pending, last = None, time.perf_counter()
+
+        def read_back(metrics) -> None:  # blocks until that step is done
+            nonlocal last
+            losses.append(float(metrics["loss"]))
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+
         for step, tokens in enumerate(batches, start=1):
-            start = time.perf_counter()
+            # As experiments.train does: a step's loss is read while the next one runs.
             state, metrics = compiled(state, jnp.asarray(tokens))
-            losses.append(float(metrics["loss"]))  # blocks: the step is done
-            times.append(time.perf_counter() - start)
+            if pending is not None:
+                read_back(pending)
+            pending = metrics
             if held_out is not None and len(held_out) and (
                     step == len(batches) or (eval_every and step % eval_every == 0)):
+                read_back(pending)
+                pending = None
                 held_out_losses[step] = float(np.mean([evaluate(state, jnp.asarray(b))
                                                        for b in held_out]))
+                last = time.perf_counter()  # eval time is not step time
+        if pending is not None:
+            read_back(pending)
         step_s = statistics.median(times[1:] or times)
         tokens_per_s = cfg.train.tokens_per_step / step_s
         results.append(RunResult(losses, step_s, tokens_per_s,
@@ -155,7 +170,7 @@ def train(cfg: ExperimentConfig, runs: list[tuple[int, np.ndarray]],
         trace_dir.mkdir(parents=True, exist_ok=True)
         with gzip.open(trace_dir / "step.hlo.txt.gz", "wt") as f:  # to read a fusion's body
             f.write(compiled.as_text())
-        results[-1].device_time = profiling.profile(one_step, trace_dir)
+        results[-1].device_time = profiling.profile(one_step, trace_dir, overlap=True)
         results[-1].top_kernels = profiling.top_kernels(
             profiling.load_kernel_events(trace_dir))
     return results

@@ -41,7 +41,7 @@ from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, persist
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
-TILE_N = TILE  # columns per CTA: one 128x128 weight block scale per K step
+TILE_N = TILE  # columns per WGMMA: one 128x128 weight block scale per K step
 FP8_SWIZZLE = 128  # bytes: one 128-wide FP8 K step is one 128-byte swizzle row
 # A K off the 128 grid (the small preset's 704-wide experts) takes 64-byte swizzle rows,
 # two per K step: TMA then needs K only in multiples of 64 and zero-fills the last step's
@@ -59,14 +59,44 @@ class MosaicConfig:
     steps), where it measured faster on the H100, and not for long ones, where it
     measured ~5% slower. The wgrad kernel does not chain (its groups' step counts vary).
 
-    The CTA tile is fixed at 128 x 128: each consumer's 64 x 128 tile needs one b block
-    scale per K step, and its fresh plus running FP32 accumulators already take 128
-    registers a thread. Splitting N between the consumers instead (CTA 64 x 256) and
-    sharing a tiles across a 2-CTA cluster by TMA multicast both measured no faster."""
+    tile_n: columns per CTA. 128, or 256 read as two 128-column halves that each consumer
+    multiplies and promotes in turn (one b block scale per half and K step): the a tile
+    then feeds twice the FLOPs per shared-memory load, and the running FP32 sums take 128
+    registers a thread plus 64 for the fresh half. Only 3 ring stages fit beside it.
+    None picks per shape (`for_tiles`). Splitting N between the consumers instead (CTA
+    64 x 256) and sharing a tiles across a 2-CTA cluster by TMA multicast both measured
+    no faster. The wgrad kernel runs 128-column tiles."""
 
     stages: int = 4
     grid_tile_width: int = 8
     chain: bool | None = None
+    tile_n: int | None = None
+
+    def __post_init__(self):
+        if self.tile_n not in (None, *WIDE_TILES):
+            raise ValueError(f"MosaicConfig.tile_n={self.tile_n}: must be None (per shape) "
+                             f"or one of {WIDE_TILES}")
+        if self.tile_n == WIDE_TILES[1] and self.stages > WIDE_MAX_STAGES:
+            raise ValueError(f"MosaicConfig(tile_n={self.tile_n}, stages={self.stages}): "
+                             f"at most {WIDE_MAX_STAGES} stages fit shared memory with the "
+                             "wide column tile")
+
+    def for_tiles(self, row_tiles: int, n: int, sms: int) -> MosaicConfig:
+        """This config with `tile_n` chosen, for `row_tiles` row visits of N columns on
+        `sms` persistent CTAs: 256 unless its tiles take more waves of the SMs, counted in
+        128-column tile times, than 128's (within `WAVE_SLACK`). On an H100 (session 21 in
+        docs/performance.md) the wide tile ran 1-7% faster on most shapes where the waves
+        matched (two within 2% either way), 20% on a dgrad of N = 7168 and K = 2112, and
+        20-34% on the small preset's expert GEMMs (64 groups, K or N 704). It lost 9-16%
+        where it added a wave (8192 x 2112 x 7168: 10 against 9; 7168 x 2048 x 8192: 8
+        against 7)."""
+        if self.tile_n is not None:
+            return self
+        waves = lambda width: cdiv(row_tiles * cdiv(n, width), sms) * (width // TILE_N)  # noqa: E731
+        if waves(WIDE_TILES[1]) <= WAVE_SLACK * waves(TILE_N):
+            return dataclasses.replace(self, tile_n=WIDE_TILES[1],
+                                       stages=min(self.stages, WIDE_MAX_STAGES))
+        return dataclasses.replace(self, tile_n=TILE_N)
 
     def chains(self, k_steps: int) -> bool:
         """Whether pipelines of `k_steps` chain: wanted (short loops when `chain` is None)
@@ -88,6 +118,9 @@ class MosaicConfig:
 
 
 CHAIN_MAX_STEPS = 32  # longer K loops measured ~5% slower chained
+WIDE_TILES = (TILE_N, 2 * TILE_N)
+WIDE_MAX_STAGES = 3  # 4 x 49 KB of ring and a 64 KB FP32 epilogue exceed 227 KB
+WAVE_SLACK = 1.05  # 64 wide waves against 63 narrow ones still ran 5% faster (H100)
 DEFAULT_CONFIG = MosaicConfig()
 
 
@@ -131,19 +164,28 @@ def _pipeline(body, compute_context, steps, in_specs, cfg: MosaicConfig, state=N
     )
 
 
-def _block_product(a_smem, a_scale_smem, b_smem, wg) -> tuple[jax.Array, jax.Array]:
-    """This consumer's 64 x 128 FP32 product of one 128-deep K step in a fresh
-    accumulator, and the 64 row scales of a for it."""
+def _rows(wg):
+    from jax.experimental import pallas as pl
+
+    return pl.ds(wg * WG_ROWS, WG_ROWS)
+
+
+def _block_product(a_smem, b_smem, wg) -> jax.Array:
+    """This consumer's 64 x 128 FP32 product of one 128-deep K step (b_smem: 128 columns)
+    in a fresh accumulator."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    rows = pl.ds(wg * WG_ROWS, WG_ROWS)
-
     def product(acc):
-        plgpu.wgmma(acc, a_smem.at[rows], plgpu.transpose_ref(b_smem, (1, 0)))
-        return acc[...], _load_vector(a_scale_smem.at[0, rows], 0)
+        plgpu.wgmma(acc, a_smem.at[_rows(wg)], plgpu.transpose_ref(b_smem, (1, 0)))
+        return acc[...]
 
     return pl.run_scoped(product, plgpu.ACC((WG_ROWS, TILE_N), jnp.float32))
+
+
+def _row_scales(a_scale_smem, wg) -> jax.Array:
+    """The 64 row scales of a for this consumer's rows, in the accumulator's row layout."""
+    return _load_vector(a_scale_smem.at[0, _rows(wg)], 0)
 
 
 def _wgmma_zeros() -> jax.Array:
@@ -191,7 +233,9 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
     k_steps = cdiv(k, TILE)
     swizzle = FP8_SWIZZLE if k % TILE == 0 else FP8_HALF_SWIZZLE
     tiles_m = cdiv(m, CTA_M) + groups
-    tiles_n = cdiv(n, TILE_N)  # a partial last column tile: its stores are clipped
+    tile_n = cfg.tile_n
+    halves = tile_n // TILE_N
+    tiles_n = cdiv(n, tile_n)  # a partial last column tile: its stores are clipped
 
     chained = cfg.chains(k_steps)
 
@@ -199,8 +243,8 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
         return _pipeline(body, compute_context, k_steps, [
             _fp8_spec((CTA_M, TILE), lambda s: (0, s), swizzle),
             _scale_spec((1, CTA_M), lambda s: (s, 0)),
-            _fp8_spec((TILE_N, TILE), lambda s: (0, s), swizzle),
-            _scale_spec((1, WG_ROWS), lambda s: (s, 0)),
+            _fp8_spec((tile_n, TILE), lambda s: (0, s), swizzle),
+            _scale_spec((1, halves * WG_ROWS), lambda s: (s, 0)),
         ], cfg, state)
 
     ignore = lambda *_, **__: None
@@ -213,18 +257,27 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
         def _tiles(info, carry):
             ni, group, row0, wg_row0, first, count = tile_visit(
                 info, tiles_m, tiles_n, cfg.grid_tile_width, wg, ends_gmem, groups)
-            out_cols = out_gmem.at[:, pl.ds(ni * TILE_N, TILE_N)]
 
-            def store(values):
-                store_rows(_stage(out_smem, wg, values), out_cols, wg_row0, first, count)
+            def store(sums):
+                for half, values in enumerate(sums):
+                    col0 = ni * tile_n + half * TILE_N
+
+                    @pl.when(col0 < n)  # a wide tile's second half may lie past N
+                    def _store():
+                        store_rows(_stage(out_smem, wg, values),
+                                   out_gmem.at[:, pl.ds(col0, TILE_N)], wg_row0, first, count)
 
             def compute_context(run):
-                store(run(_wgmma_zeros()))
+                store(run((_wgmma_zeros(),) * halves))
 
-            def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, total):
-                part, sa = _block_product(a_smem, a_scale_smem, b_smem, wg)
-                scale = sa * _load_vector(b_scale_smem.at[0], 0)
-                return total + part * _broadcast(scale, part.shape, 0)
+            def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, sums):
+                sa = _row_scales(a_scale_smem, wg)
+                promoted = []
+                for half, total in enumerate(sums):
+                    part = _block_product(a_smem, b_smem.at[pl.ds(half * TILE_N, TILE_N)], wg)
+                    sb = _load_vector(b_scale_smem.at[0, pl.ds(half * WG_ROWS, WG_ROWS)], 0)
+                    promoted.append(total + part * _broadcast(sa * sb, part.shape, 0))
+                return tuple(promoted)
 
             runs = group < groups
             state = chained_state(chained, carry)
@@ -235,14 +288,14 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                 pipeline(step, compute_context, state)(
                     a_gmem.at[pl.ds(row0, CTA_M)],
                     a_scale_gmem.at[:, pl.ds(row0, CTA_M)],
-                    b_group.at[pl.ds(ni * TILE_N, TILE_N)],
-                    b_scale_gmem.at[group, :, pl.ds(ni * WG_ROWS, WG_ROWS)],
+                    b_group.at[pl.ds(ni * tile_n, tile_n)],
+                    b_scale_gmem.at[group, :, pl.ds(ni * halves * WG_ROWS, halves * WG_ROWS)],
                     allocations=allocs,
                 )
 
             @pl.when((group == groups) & (wg < 2))
             def _zeros():
-                store(_wgmma_zeros())
+                store((_wgmma_zeros(),) * halves)
 
             return carry | runs.astype(jnp.int32)
 
@@ -290,7 +343,7 @@ def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_g
 
             def step(idx, x_smem, x_scale_smem, y_smem, y_scale_smem, total):
                 (s,) = idx
-                part, sx = _block_product(x_smem, x_scale_smem, y_smem, wg)
+                part, sx = _block_product(x_smem, y_smem, wg), _row_scales(x_scale_smem, wg)
                 sy = _load_vector(y_scale_smem.at[0], 1)
                 scaled = part * _broadcast(sx, part.shape, 0) * _broadcast(sy, part.shape, 1)
                 keep = lax.broadcast_in_dim(s < blocks, part.shape, ())
@@ -322,15 +375,18 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
     `mosaic_common.tma_ready`).
     """
     (m, k), (groups, n, _) = a.shape, b.shape
-    cfg = (cfg or DEFAULT_CONFIG).for_steps(cdiv(k, TILE))
+    cfg = (cfg or DEFAULT_CONFIG).for_tiles(cdiv(m, CTA_M) + groups, n, mosaic_common.sm_count())
+    cfg = cfg.for_steps(cdiv(k, TILE))
     a = _pad_axis(_pad_axis(a, 1, FP8_HALF_SWIZZLE), 0, CTA_M)
     a_scale = _pad_axis(a_scale, 0, CTA_M)
     b = tma_ready(_pad_axis(b, 2, FP8_HALF_SWIZZLE), 1)
     mp, np_ = a.shape[0], b.shape[1]
     # End row of each group, then of the zero rows past the last group.
     ends = visit_ends(group_sizes, m)
-    # (G, K/128, N/128 * 64): each block scale repeated for the 64 rows of a warpgroup.
-    b_scale_rows = jnp.repeat(jnp.swapaxes(b_scale, 1, 2), WG_ROWS, axis=2)
+    # (G, K/128, N/128 * 64): each block scale repeated for the 64 rows of a warpgroup,
+    # padded to whole CTA column tiles (a wide tile's half past N reads zeros).
+    b_scale_rows = _pad_axis(jnp.repeat(jnp.swapaxes(b_scale, 1, 2), WG_ROWS, axis=2), 2,
+                             cfg.tile_n // TILE_N * WG_ROWS)
     out = persistent_call(functools.partial(_kernel, groups=groups, cfg=cfg),
                           _out_shape((mp, np_), out_dtype, a, b),
                           ends, a, a_scale.T, b, b_scale_rows, name="fp8_grouped_gemm")
@@ -350,6 +406,9 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
     group's tokens are cut into, their FP32 partial sums added after (None: `token_split`).
     """
     cfg = cfg or DEFAULT_CONFIG
+    if cfg.tile_n not in (None, TILE_N):
+        raise ValueError(f"scaled_grouped_matmul_tn runs {TILE_N}-column tiles; got "
+                         f"MosaicConfig.tile_n={cfg.tile_n}")
     (p, m), q = x.shape, y.shape[0]
     if m % TILE:
         raise ValueError(f"scaled_grouped_matmul_tn wants a tile-aligned token axis (a "

@@ -314,6 +314,32 @@ def test_mosaic_fp8_ring_depth_divides_short_k_loops():
     assert not MosaicConfig(chain=False).for_steps(6).chains(6)
 
 
+def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
+    """256-column CTA tiles where they take no more waves of the 132 SMs (in 128-column
+    tile times) than 128-column ones, with the ring cut to what fits beside them; an
+    explicit tile is kept, a bad one refused; the wide kernel lowers for a Hopper."""
+    from pallas_kernels import mosaic_common
+    from pallas_kernels.mosaic_gemm import MosaicConfig, scaled_grouped_matmul
+
+    pick = lambda m, n, groups=1: MosaicConfig().for_tiles(-(-m // 128) + groups, n, 132)  # noqa: E731
+    assert pick(8192, 7168).tile_n == 256 and pick(8192, 7168).stages == 3  # 28 = 28 waves
+    assert pick(64 * 1536, 704, 64).tile_n == 256  # the small preset's experts: 38 = 38
+    assert pick(8192, 2112).tile_n == 128 and pick(8192, 2112).stages == 4  # 10 > 9 waves
+    assert pick(7168, 2048).tile_n == 128  # 8 > 7
+    assert MosaicConfig(tile_n=128).for_tiles(65, 7168, 132).tile_n == 128
+    with pytest.raises(ValueError, match="tile_n=192"):
+        MosaicConfig(tile_n=192)
+    with pytest.raises(ValueError, match="at most 3 stages"):
+        MosaicConfig(tile_n=256, stages=4)
+    monkeypatch.setattr(mosaic_common, "sm_count", lambda: 132)
+    a8, a_scale, b8, b_scale = (_MOSAIC_OPERANDS[i] for i in (3, 4, 5, 6))
+    call = jax.jit(lambda a, s_, b, bs: scaled_grouped_matmul(
+        a, b, jnp.array([300, 0, 200, 12], jnp.int32), a_scale=s_, b_scale=bs,
+        cfg=MosaicConfig(tile_n=256, stages=3)))
+    assert "fp8_grouped_gemm" in call.trace(a8, a_scale, b8, b_scale).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
 def test_aligned_layout_starts_every_group_on_a_tile(request):
     rng = _rng(request)
     for sizes in (np.array([0, 1, 127, 128, 129, 300, 0]), np.ones(9, np.int64),

@@ -45,20 +45,25 @@ needs_mosaic = pytest.mark.skipif(not mosaic_common.available(), reason="needs s
 
 
 @needs_mosaic
+@pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("m,n,k,sizes", [
     (1300, 2112, 1024, SIZES),  # uneven groups incl. 0/1/127/129 rows, 43 zero rows, N % 128
+    # (N = 2112 with 256-wide tiles: the last tile's second half lies past N)
     (1000, 384, 7168, np.array([1000], np.int32)),  # dense, long K (no chained pipelines)
     (8192, 256, 512, np.array([3000, 0, 5192], np.int32)),  # many tiles per SM (chained)
     (1300, 704, 704, SIZES),  # the small preset's expert width: partial K step and N tile,
     # 6 K steps: a chained 3-deep ring (MosaicConfig.for_steps)
 ])
-def test_mosaic_fp8_grouped_gemm_gpu(m, n, k, sizes):
-    ka, kb = jax.random.split(jax.random.key(m + n + k))
+def test_mosaic_fp8_grouped_gemm_gpu(m, n, k, sizes, tile_n):
+    from pallas_kernels import mosaic_gemm
+
+    ka, kb = jax.random.split(jax.random.key(m + n + k + tile_n))
     aq, as_ = pk.quantize_1x128(jax.random.normal(ka, (m, k), jnp.bfloat16))
     bq, bs = jax.vmap(pk.quantize_128x128)(jax.random.normal(kb, (len(sizes), n, k), jnp.bfloat16))
-    with pk.use_backend("mosaic"):
-        out = np.asarray(pk.fp8_grouped_gemm(aq, as_, bq, bs, jnp.asarray(sizes),
-                                              out_dtype=jnp.float32))
+    cfg = mosaic_gemm.MosaicConfig(tile_n=tile_n, stages=4 if tile_n == 128 else 3)
+    out = np.asarray(jax.jit(lambda *ops: mosaic_gemm.scaled_grouped_matmul(
+        *ops, jnp.asarray(sizes), a_scale=as_, b_scale=bs, out_dtype=jnp.float32, cfg=cfg))(
+            aq, bq))
     a64 = _ref64(lambda a: a, dequantize(aq, as_, 1))
     b64 = np.stack([_ref64(lambda w: w, dequantize(bq[g], bs[g], 128)) for g in range(len(sizes))])
     ends = np.cumsum(sizes)

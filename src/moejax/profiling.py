@@ -144,13 +144,19 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> f
 
 
 def profile(fn: Callable[[], object], log_dir: str | pathlib.Path, repeats: int = 3,
-            ) -> DeviceTime:
+            overlap: bool = False) -> DeviceTime:
     """Traces ``repeats`` calls of ``fn`` (already compiled) and splits the device time,
-    per call."""
+    per call. ``overlap``: dispatch each call before waiting on the one before, as a
+    training loop that reads a step's metrics one step late does (the trace then shows
+    the gaps that loop leaves, not those of a host that waits on every call)."""
     jax.block_until_ready(fn())
     with jax.profiler.trace(str(log_dir)):
+        previous = None
         for _ in range(repeats):
-            jax.block_until_ready(fn())
+            out = fn()
+            jax.block_until_ready(previous if overlap else out)
+            previous = out
+        jax.block_until_ready(previous)
     t = device_time(load_kernel_events(log_dir))
     per = lambda ms: ms / repeats  # noqa: E731
     return DeviceTime({c: per(v) for c, v in t.busy_ms.items()}, per(t.total_busy_ms),

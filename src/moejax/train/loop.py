@@ -12,7 +12,7 @@ import dataclasses
 import pathlib
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,13 @@ def pipelined(graphdef: Any, cfg: ExperimentConfig) -> LossAndGrads | None:
     schedule = build_schedule(cfg.train.pipeline_schedule, cfg.mesh.pipe, cfg.num_microbatches)
     return PipelineExecutor(schedule, graphdef, cfg.model, jnp.dtype(cfg.train.compute_dtype),
                             cfg.train.mtp_lambda).loss_and_grads
+
+
+class _Dispatched(NamedTuple):
+    """A step the device has been given and the host has not read back yet."""
+    step: int
+    metrics: dict  # device arrays
+    data_state: dict  # the loader's state before the step's batch (to replay it)
 
 
 class TrainingError(RuntimeError):
@@ -169,9 +176,6 @@ class Trainer:
             self.log(f"resumed {self.run_dir} from step {self.resume_step}")
         first = int(state.step)
         metrics_log = MetricsLog(self.run_dir, resume_step=first, enabled=self.primary)
-        train_step = make_train_step(graphdef, cfg, state_shardings=state_sh,
-                                     batch_sharding=batch_sh,
-                                     loss_and_grads=pipelined(graphdef, cfg))
         eval_step = make_eval_step(graphdef, cfg, state_shardings=state_sh,
                                    batch_sharding=batch_sh)
         flops_per_token = train_flops_per_token(cfg.model, tc.seq_len)
@@ -180,42 +184,65 @@ class Trainer:
         evals: dict[int, float] = {}
         ema_evals: dict[int, float] = {}
         step_times: list[float] = []
+        latched = tc.nonfinite == "stop"
+        train_step = make_train_step(graphdef, cfg, state_shardings=state_sh,
+                                     batch_sharding=batch_sh,
+                                     loss_and_grads=pipelined(graphdef, cfg), latched=latched)
+        halt = jnp.bool_(False)
+        pending: _Dispatched | None = None
         try:
             last = time.perf_counter()
             for step in range(first + 1, tc.steps + 1):
                 data_state = train_iter.get_state()
                 batch = jax.make_array_from_process_local_data(batch_sh, next(train_iter))
-                state, metrics = train_step(state, batch)
+                if latched:  # a non-finite step halts every step dispatched after it
+                    state, metrics = train_step(state, batch, halt)
+                    halt = ~metrics["finite"]
+                else:
+                    state, metrics = train_step(state, batch)
                 if ema:  # dispatched before the host waits on the step; skips a bad step
                     ema_state = ema.update(ema_state, state.params, metrics["finite"])
-                metrics = jax.device_get(metrics)
-                now = time.perf_counter()
-                step_time, last = now - last, now
-                record = self._record(step, metrics, step_time, flops_per_token, peak,
-                                      compiled=step == first + 1)
-                if not metrics["finite"]:
-                    self._nonfinite(step, state, data_state, record, metrics_log, ema_state)
-                    continue
-                if step > first + 1:
-                    step_times.append(step_time)
-                losses[step] = record["loss"]
-                if tc.eval_every and (step % tc.eval_every == 0 or step == tc.steps):
-                    record["eval_loss"] = evals[step] = self._evaluate(eval_step, state,
-                                                                       batch_sh)
-                    if ema:  # the EMA visits the device only for the eval's duration
-                        ema_params = jax.device_put(ema_state, state_sh.params)
-                        record["ema_eval_loss"] = ema_evals[step] = self._evaluate(
-                            eval_step, state._replace(params=ema_params), batch_sh)
-                        del ema_params
-                    last = time.perf_counter()  # eval time is not step time
-                metrics_log.write(record)
-                if step % tc.log_every == 0 or step == first + 1 or step == tc.steps:
-                    self.log(progress_line(record) + (
-                        f" | held-out {record['eval_loss']:.4f}" if "eval_loss" in record
-                        else "") + (f" (EMA {record['ema_eval_loss']:.4f})"
-                                    if "ema_eval_loss" in record else ""))
-                if step % cfg.checkpoint.every == 0 or step == tc.steps:
-                    self.ckpt.save(step, state, train_iter.get_state(), ema_state)
+                # The host reads a step's metrics while the device runs the next one, and
+                # waits on a step at once only where it needs that step's state.
+                finished = [pending] if pending else []
+                pending = _Dispatched(step, metrics, data_state)
+                if (step == tc.steps or step % cfg.checkpoint.every == 0
+                        or (tc.eval_every and step % tc.eval_every == 0)):
+                    finished, pending = finished + [pending], None
+                for done in finished:
+                    metrics = jax.device_get(done.metrics)
+                    now = time.perf_counter()
+                    step_time, last = now - last, now
+                    record = self._record(done.step, metrics, step_time, flops_per_token,
+                                          peak, compiled=done.step == first + 1)
+                    if not metrics["finite"]:
+                        # Stop: the state is still the bad step's (every later step halted).
+                        self._nonfinite(done.step, state, done.data_state, record,
+                                        metrics_log, ema_state)
+                        continue
+                    if done.step > first + 1:
+                        step_times.append(step_time)
+                    losses[done.step] = record["loss"]
+                    current = done.step == step  # the state is this step's
+                    if current and tc.eval_every and (step % tc.eval_every == 0
+                                                      or step == tc.steps):
+                        record["eval_loss"] = evals[step] = self._evaluate(
+                            eval_step, state, batch_sh)
+                        if ema:  # the EMA visits the device only for the eval's duration
+                            ema_params = jax.device_put(ema_state, state_sh.params)
+                            record["ema_eval_loss"] = ema_evals[step] = self._evaluate(
+                                eval_step, state._replace(params=ema_params), batch_sh)
+                            del ema_params
+                        last = time.perf_counter()  # eval time is not step time
+                    metrics_log.write(record)
+                    if (done.step % tc.log_every == 0 or done.step == first + 1
+                            or done.step == tc.steps):
+                        self.log(progress_line(record) + (
+                            f" | held-out {record['eval_loss']:.4f}" if "eval_loss" in record
+                            else "") + (f" (EMA {record['ema_eval_loss']:.4f})"
+                                        if "ema_eval_loss" in record else ""))
+                    if current and (step % cfg.checkpoint.every == 0 or step == tc.steps):
+                        self.ckpt.save(step, state, train_iter.get_state(), ema_state)
         finally:
             metrics_log.close()
             self.ckpt.close()

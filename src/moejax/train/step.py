@@ -92,32 +92,46 @@ def load_balance(counts: jax.Array) -> dict[str, jax.Array]:
 LossAndGrads = Callable[[nnx.State, nnx.State, jax.Array], tuple[tuple[jax.Array, tuple], Any]]
 
 
-def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
-                    state_shardings: Any = None,
-                    batch_sharding: Any = None,
-                    loss_and_grads: LossAndGrads | None = None) -> Callable[
-                        [TrainState, jax.Array], tuple[TrainState, dict]]:
-    """The jitted ``(state, tokens (B, S+1)) -> (state, metrics)``; donates the old state.
+def whole_batch(graphdef: nnx.GraphDef, cfg: ExperimentConfig) -> LossAndGrads:
+    """The loss (next-token + weighted MTP + aux) and its gradients over the whole batch."""
 
-    ``loss_and_grads`` replaces the whole-batch forward/backward (the pipeline executor
-    passes its own); the optimizer update and metrics are the same either way.
-    """
-    tc = cfg.train
-    tx, schedule = make_optimizer(tc), learning_rate(tc)
-
-    def whole_batch(params: nnx.State, biases: nnx.State, tokens: jax.Array):
+    def loss_and_grads(params: nnx.State, biases: nnx.State, tokens: jax.Array):
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
         def loss_fn(params: nnx.State):
             out = nnx.merge(graphdef, logical_stacks(params, cfg.model), biases).losses(
                 inputs, labels)
-            return out.main + tc.mtp_lambda * out.mtp + out.aux_loss, (out.main, out.mtp, out)
+            total = out.main + cfg.train.mtp_lambda * out.mtp + out.aux_loss
+            return total, (out.main, out.mtp, out)
 
         return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
-    def train_step(state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict]:
-        (total, (main, mtp, out)), grads = (loss_and_grads or whole_batch)(
-            state.params, state.biases, tokens)
+    return loss_and_grads
+
+
+def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
+                    state_shardings: Any = None,
+                    batch_sharding: Any = None,
+                    loss_and_grads: LossAndGrads | None = None,
+                    latched: bool = False) -> Callable[..., tuple[TrainState, dict]]:
+    """The jitted ``(state, tokens (B, S+1)) -> (state, metrics)``; donates the old state.
+
+    ``loss_and_grads`` replaces the whole-batch forward/backward (the pipeline executor
+    passes its own); the optimizer update and metrics are the same either way.
+
+    ``latched``: the step is ``(state, tokens, halt) -> (state, metrics)``, where ``halt``
+    (a bool scalar on the device: the previous step's ``~finite``) turns it into a no-op
+    that leaves the state exactly as it was, step count included, and reports itself not
+    finite. A host that stops at the first non-finite step can then dispatch the next step
+    before reading this one's metrics (``Trainer``) and still find the last good state.
+    """
+    tc = cfg.train
+    tx, schedule = make_optimizer(tc), learning_rate(tc)
+    loss_and_grads = loss_and_grads or whole_batch(graphdef, cfg)
+
+    def train_step(state: TrainState, tokens: jax.Array,
+                   halt: jax.Array | None = None) -> tuple[TrainState, dict]:
+        (total, (main, mtp, out)), grads = loss_and_grads(state.params, state.biases, tokens)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         biases = jax.tree.map(
@@ -125,10 +139,13 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
             state.biases)
         rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
         finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+        live = jnp.bool_(True) if halt is None else ~halt
+        finite = finite & live
         candidate = TrainState(state.step + 1, optax.apply_updates(state.params, updates),
                                biases, opt_state, jax.random.key_data(rng))
         new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), candidate, state)
-        new = new._replace(step=state.step + 1)  # the batch is consumed either way
+        # A non-finite step consumes its batch; a halted one leaves even the count.
+        new = new._replace(step=state.step + live.astype(state.step.dtype))
         metrics = {"loss": main, "mtp_loss": mtp, "aux_loss": out.aux_loss,
                    "total_loss": total, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "finite": finite, "dropped_tokens": out.dropped_tokens,
@@ -136,7 +153,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
                    **load_balance(out.expert_counts)}
         return new, metrics
 
-    return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+    in_shardings = (state_shardings, batch_sharding) + ((None,) if latched else ())
+    return jax.jit(train_step, in_shardings=in_shardings,
                    out_shardings=(state_shardings, None), donate_argnums=0)
 
 

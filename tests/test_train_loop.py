@@ -1,0 +1,81 @@
+"""The training loop reads each step's metrics while the device runs the next step; a
+non-finite step must still stop the run on its last good state, as a loop that waits on
+every step would."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.train import loop
+from moejax.train.checkpoint import Checkpointer
+from moejax.train.config import apply_overrides, get_experiment_preset
+from moejax.train.metrics import read_metrics
+from moejax.train.step import state_initializer, whole_batch
+
+BAD_STEP = 3
+
+
+def _config(steps: int, every: int):
+    return apply_overrides(get_experiment_preset("tiny"), [
+        "model.num_hidden_layers=2", "train.seq_len=16", "train.batch_size=4",
+        "train.warmup_steps=1", "train.schedule_steps=6", "train.eval_every=0",
+        f"train.steps={steps}", f"checkpoint.every={every}", "train.nonfinite=stop"])
+
+
+def _batch(cfg, index: int) -> np.ndarray:
+    """The loader's batch ``index`` (0-based), as the run will draw it."""
+    it = iter(loop.make_dataset(loop._loader(cfg, loop.resolve_data_dir(cfg.data.dir),
+                                             "train")))
+    for _ in range(index):
+        next(it)
+    return np.asarray(next(it))
+
+
+def _poisoning(bad_tokens: np.ndarray):
+    """A ``loop.pipelined`` whose loss is NaN on exactly one batch, finite on the rest."""
+
+    def pipelined(graphdef, cfg):
+        base = whole_batch(graphdef, cfg)
+
+        def loss_and_grads(params, biases, tokens):
+            (total, aux), grads = base(params, biases, tokens)
+            bad = jnp.all(tokens == bad_tokens)
+            return (jnp.where(bad, jnp.nan, total), aux), grads
+
+        return loss_and_grads
+
+    return pipelined
+
+
+def _restored(cfg, run_dir, step):
+    ckpt = Checkpointer(run_dir, cfg.checkpoint)
+    abstract = jax.eval_shape(state_initializer(cfg)[1], jnp.uint32(cfg.train.seed))
+    state, data_state, _ = ckpt.restore(step, abstract)
+    ckpt.close()
+    return state, data_state
+
+
+def test_stop_keeps_the_last_good_state_though_the_next_step_was_dispatched(
+        tmp_path, monkeypatch):
+    """Step 3's loss is NaN and step 4 (finite) is already on the device when the host
+    sees it: without the latch, step 4 would train the kept state on batch 4."""
+    reference_cfg = _config(steps=BAD_STEP - 1, every=BAD_STEP - 1)
+    monkeypatch.setattr(loop, "pipelined",
+                        _poisoning(_batch(reference_cfg, BAD_STEP - 1)))
+    loop.Trainer(reference_cfg, tmp_path / "ref", resume=False, log=lambda _: None).run()
+
+    cfg = _config(steps=BAD_STEP + 3, every=100)
+    with pytest.raises(loop.TrainingError, match=f"non-finite loss at step {BAD_STEP} "):
+        loop.Trainer(cfg, tmp_path / "run", resume=False, log=lambda _: None).run()
+
+    good = BAD_STEP - 1
+    expected, expected_data = _restored(reference_cfg, tmp_path / "ref", good)
+    kept, kept_data = _restored(cfg, tmp_path / "run", good)
+    assert int(kept.step) == good and kept_data == expected_data
+    same = jax.tree.map(lambda a, b: np.array_equal(a, b), kept, expected)
+    assert all(jax.tree.leaves(same))
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3] and not records[-1]["finite"]
+    reference = read_metrics(tmp_path / "ref" / "metrics.jsonl")
+    assert [r["loss"] for r in records[:2]] == [r["loss"] for r in reference]
