@@ -306,7 +306,7 @@ def print_account(results: dict[str, RunResult]) -> None:
     profiled = {p: r for p, r in results.items() if r.device_time is not None}
     if not profiled:
         return
-    print(f"\nstep time account (ms per step from the trace; % of the median step time):")
+    print("\nstep time account (ms per step from the trace; % of the median step time):")
     print(f"{'':<28}" + "".join(f"{p:>20}" for p in profiled))
     cells = lambda ms, r: f"{ms:.1f} ({100 * ms / (1e3 * r.step_s):.0f}%)"  # noqa: E731
     for category in profiling.CATEGORIES:
