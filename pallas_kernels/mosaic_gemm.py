@@ -73,10 +73,10 @@ class MosaicConfig:
     tile_n: int | None = None
 
     def __post_init__(self):
-        if self.tile_n not in (None, *WIDE_TILES):
-            raise ValueError(f"MosaicConfig.tile_n={self.tile_n}: must be None (per shape) "
-                             f"or one of {WIDE_TILES}")
-        if self.tile_n == WIDE_TILES[1] and self.stages > WIDE_MAX_STAGES:
+        if self.tile_n not in (None, TILE_N, WIDE_TILE_N):
+            raise ValueError(f"MosaicConfig.tile_n={self.tile_n}: must be None (per shape), "
+                             f"{TILE_N} or {WIDE_TILE_N}")
+        if self.tile_n == WIDE_TILE_N and self.stages > WIDE_MAX_STAGES:
             raise ValueError(f"MosaicConfig(tile_n={self.tile_n}, stages={self.stages}): "
                              f"at most {WIDE_MAX_STAGES} stages fit shared memory with the "
                              "wide column tile")
@@ -93,8 +93,8 @@ class MosaicConfig:
         if self.tile_n is not None:
             return self
         waves = lambda width: cdiv(row_tiles * cdiv(n, width), sms) * (width // TILE_N)  # noqa: E731
-        if waves(WIDE_TILES[1]) <= WAVE_SLACK * waves(TILE_N):
-            return dataclasses.replace(self, tile_n=WIDE_TILES[1],
+        if waves(WIDE_TILE_N) <= WAVE_SLACK * waves(TILE_N):
+            return dataclasses.replace(self, tile_n=WIDE_TILE_N,
                                        stages=min(self.stages, WIDE_MAX_STAGES))
         return dataclasses.replace(self, tile_n=TILE_N)
 
@@ -118,7 +118,7 @@ class MosaicConfig:
 
 
 CHAIN_MAX_STEPS = 32  # longer K loops measured ~5% slower chained
-WIDE_TILES = (TILE_N, 2 * TILE_N)
+WIDE_TILE_N = 2 * TILE_N
 WIDE_MAX_STAGES = 3  # 4 x 49 KB of ring and a 64 KB FP32 epilogue exceed 227 KB
 WAVE_SLACK = 1.05  # 64 wide waves against 63 narrow ones still ran 5% faster (H100)
 DEFAULT_CONFIG = MosaicConfig()

@@ -16,11 +16,11 @@ from moejax.train.step import state_initializer, whole_batch
 BAD_STEP = 3
 
 
-def _config(steps: int, every: int):
+def _config(steps: int, every: int, nonfinite: str = "stop"):
     return apply_overrides(get_experiment_preset("tiny"), [
         "model.num_hidden_layers=2", "train.seq_len=16", "train.batch_size=4",
         "train.warmup_steps=1", "train.schedule_steps=6", "train.eval_every=0",
-        f"train.steps={steps}", f"checkpoint.every={every}", "train.nonfinite=stop"])
+        f"train.steps={steps}", f"checkpoint.every={every}", f"train.nonfinite={nonfinite}"])
 
 
 def _batch(cfg, index: int) -> np.ndarray:
@@ -79,3 +79,14 @@ def test_stop_keeps_the_last_good_state_though_the_next_step_was_dispatched(
     assert [r["step"] for r in records] == [1, 2, 3] and not records[-1]["finite"]
     reference = read_metrics(tmp_path / "ref" / "metrics.jsonl")
     assert [r["loss"] for r in records[:2]] == [r["loss"] for r in reference]
+
+
+def test_skip_trains_on_past_the_bad_batch(tmp_path, monkeypatch):
+    """Under skip nothing halts: the batch after the bad one trains the kept state."""
+    cfg = _config(steps=BAD_STEP + 2, every=100, nonfinite="skip")
+    monkeypatch.setattr(loop, "pipelined", _poisoning(_batch(cfg, BAD_STEP - 1)))
+    summary = loop.Trainer(cfg, tmp_path, resume=False, log=lambda _: None).run()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["finite"] for r in records] == [True, True, False, True, True]
+    assert summary.last_step == BAD_STEP + 2 and sorted(summary.losses) == [1, 2, 4, 5]
+    assert records[-1]["loss"] < records[0]["loss"]

@@ -184,30 +184,26 @@ class Trainer:
         evals: dict[int, float] = {}
         ema_evals: dict[int, float] = {}
         step_times: list[float] = []
-        latched = tc.nonfinite == "stop"
         train_step = make_train_step(graphdef, cfg, state_shardings=state_sh,
                                      batch_sharding=batch_sh,
-                                     loss_and_grads=pipelined(graphdef, cfg), latched=latched)
-        halt = jnp.bool_(False)
+                                     loss_and_grads=pipelined(graphdef, cfg), latched=True)
+        halt = jnp.bool_(False)  # stays False under train.nonfinite=skip
         pending: _Dispatched | None = None
         try:
             last = time.perf_counter()
             for step in range(first + 1, tc.steps + 1):
                 data_state = train_iter.get_state()
                 batch = jax.make_array_from_process_local_data(batch_sh, next(train_iter))
-                if latched:  # a non-finite step halts every step dispatched after it
-                    state, metrics = train_step(state, batch, halt)
+                state, metrics = train_step(state, batch, halt)
+                if tc.nonfinite == "stop":  # a non-finite step halts every later one
                     halt = ~metrics["finite"]
-                else:
-                    state, metrics = train_step(state, batch)
                 if ema:  # dispatched before the host waits on the step; skips a bad step
                     ema_state = ema.update(ema_state, state.params, metrics["finite"])
                 # The host reads a step's metrics while the device runs the next one, and
                 # waits on a step at once only where it needs that step's state.
                 finished = [pending] if pending else []
                 pending = _Dispatched(step, metrics, data_state)
-                if (step == tc.steps or step % cfg.checkpoint.every == 0
-                        or (tc.eval_every and step % tc.eval_every == 0)):
+                if self._evaluates(step) or self._saves(step):
                     finished, pending = finished + [pending], None
                 for done in finished:
                     metrics = jax.device_get(done.metrics)
@@ -224,8 +220,7 @@ class Trainer:
                         step_times.append(step_time)
                     losses[done.step] = record["loss"]
                     current = done.step == step  # the state is this step's
-                    if current and tc.eval_every and (step % tc.eval_every == 0
-                                                      or step == tc.steps):
+                    if current and self._evaluates(step):
                         record["eval_loss"] = evals[step] = self._evaluate(
                             eval_step, state, batch_sh)
                         if ema:  # the EMA visits the device only for the eval's duration
@@ -241,7 +236,7 @@ class Trainer:
                             f" | held-out {record['eval_loss']:.4f}" if "eval_loss" in record
                             else "") + (f" (EMA {record['ema_eval_loss']:.4f})"
                                         if "ema_eval_loss" in record else ""))
-                    if current and (step % cfg.checkpoint.every == 0 or step == tc.steps):
+                    if current and self._saves(step):
                         self.ckpt.save(step, state, train_iter.get_state(), ema_state)
         finally:
             metrics_log.close()
@@ -254,6 +249,15 @@ class Trainer:
                           peak_memory_gib(), ema_eval_losses=ema_evals)
         self._report_summary(summary)
         return summary
+
+    def _evaluates(self, step: int) -> bool:
+        """Whether the held-out loss is measured after ``step``."""
+        tc = self.cfg.train
+        return bool(tc.eval_every) and (step % tc.eval_every == 0 or step == tc.steps)
+
+    def _saves(self, step: int) -> bool:
+        """Whether ``step``'s state is checkpointed (every ``checkpoint.every`` and the last)."""
+        return step % self.cfg.checkpoint.every == 0 or step == self.cfg.train.steps
 
     def _record(self, step: int, metrics: dict, step_time: float, flops_per_token: float,
                 peak: float | None, *, compiled: bool) -> dict[str, Any]:
