@@ -65,7 +65,8 @@ class MosaicConfig:
     registers a thread plus 64 for the fresh half. Only 3 ring stages fit beside it.
     None picks per shape (`for_tiles`). Splitting N between the consumers instead (CTA
     64 x 256) and sharing a tiles across a 2-CTA cluster by TMA multicast both measured
-    no faster. The wgrad kernel runs 128-column tiles."""
+    no faster. The wgrad kernel reads a wide tile the same way, each half with its own
+    column scales."""
 
     stages: int = 4
     grid_tile_width: int = 8
@@ -303,19 +304,22 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
 def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem,
                out_gmem, *, cfg: MosaicConfig):
     """wgrad: out[g] (P, Q) = sum over group g's 128-token blocks of the x (P rows) and y
-    (Q rows) tiles' product, scaled by x's row scales and y's column scales."""
+    (Q rows) tiles' product, scaled by x's row scales and y's column scales. A wide column
+    tile is two 128-column halves, each promoted with its own 128 column scales."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     groups, p, q = out_gmem.shape
-    tiles_p, tiles_q = cdiv(p, CTA_M), cdiv(q, TILE_N)  # partial last tiles: stores clipped
+    tile_q = cfg.tile_n
+    halves = tile_q // TILE_N
+    tiles_p, tiles_q = cdiv(p, CTA_M), cdiv(q, tile_q)  # partial last tiles: stores clipped
 
     def pipeline(body, compute_context, steps, first_block):
         return _pipeline(body, compute_context, steps, [
             _fp8_spec((CTA_M, TILE), lambda s: (0, first_block + s)),
             _scale_spec((1, CTA_M), lambda s: (first_block + s, 0)),
-            _fp8_spec((TILE_N, TILE), lambda s: (0, first_block + s)),
-            _scale_spec((1, TILE_N), lambda s: (first_block + s, 0)),
+            _fp8_spec((tile_q, TILE), lambda s: (0, first_block + s)),
+            _scale_spec((1, tile_q), lambda s: (first_block + s, 0)),
         ], cfg)
 
     ignore = lambda *_, **__: None
@@ -332,36 +336,47 @@ def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_g
             # lengths in a row desynchronize the ring's barrier phases); the extra steps
             # read the next group's tokens or zero-filled blocks and are not accumulated.
             steps = lax.div(blocks + (cfg.stages - 1), jnp.int32(cfg.stages)) * cfg.stages
-            out_tile = out_gmem.at[g, pl.ds(pi * CTA_M + wg * WG_ROWS, WG_ROWS),
-                                   pl.ds(qi * TILE_N, TILE_N)]
+            out_rows = out_gmem.at[g, pl.ds(pi * CTA_M + wg * WG_ROWS, WG_ROWS)]
 
-            def store(values):
-                plgpu.copy_smem_to_gmem(_stage(out_smem, wg, values), out_tile)
+            def store(sums):
+                for half, values in enumerate(sums):
+                    col0 = qi * tile_q + half * TILE_N
+
+                    @pl.when(col0 < q)  # a wide tile's second half may lie past Q
+                    def _store():
+                        plgpu.copy_smem_to_gmem(_stage(out_smem, wg, values),
+                                                out_rows.at[:, pl.ds(col0, TILE_N)])
 
             def compute_context(run):
-                store(run(_wgmma_zeros()))
+                store(run((_wgmma_zeros(),) * halves))
 
-            def step(idx, x_smem, x_scale_smem, y_smem, y_scale_smem, total):
+            def step(idx, x_smem, x_scale_smem, y_smem, y_scale_smem, sums):
                 (s,) = idx
-                part, sx = _block_product(x_smem, y_smem, wg), _row_scales(x_scale_smem, wg)
-                sy = _load_vector(y_scale_smem.at[0], 1)
-                scaled = part * _broadcast(sx, part.shape, 0) * _broadcast(sy, part.shape, 1)
-                keep = lax.broadcast_in_dim(s < blocks, part.shape, ())
-                return lax.select(keep, total + scaled, total)
+                sx = _row_scales(x_scale_smem, wg)
+                promoted = []
+                for half, total in enumerate(sums):
+                    cols = pl.ds(half * TILE_N, TILE_N)
+                    part = _block_product(x_smem, y_smem.at[cols], wg)
+                    sy = _load_vector(y_scale_smem.at[0, cols], 1)
+                    scaled = (part * _broadcast(sx, part.shape, 0)
+                              * _broadcast(sy, part.shape, 1))
+                    keep = lax.broadcast_in_dim(s < blocks, part.shape, ())
+                    promoted.append(lax.select(keep, total + scaled, total))
+                return tuple(promoted)
 
             @pl.when(steps > 0)
             def _real():
                 pipeline(step, compute_context, steps, first_block)(
                     x_gmem.at[pl.ds(pi * CTA_M, CTA_M)],
                     x_scale_gmem.at[:, pl.ds(pi * CTA_M, CTA_M)],
-                    y_gmem.at[pl.ds(qi * TILE_N, TILE_N)],
-                    y_scale_gmem.at[:, pl.ds(qi * TILE_N, TILE_N)],
+                    y_gmem.at[pl.ds(qi * tile_q, tile_q)],
+                    y_scale_gmem.at[:, pl.ds(qi * tile_q, tile_q)],
                     allocations=allocs,
                 )
 
             @pl.when((steps == 0) & (wg < 2))
             def _empty_group():
-                store(_wgmma_zeros())
+                store((_wgmma_zeros(),) * halves)
 
 
 def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.bfloat16,
@@ -405,10 +420,6 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
     no padding (only to multiples of 64, `mosaic_common.tma_ready`). ``split``: pieces each
     group's tokens are cut into, their FP32 partial sums added after (None: `token_split`).
     """
-    cfg = cfg or DEFAULT_CONFIG
-    if cfg.tile_n not in (None, TILE_N):
-        raise ValueError(f"scaled_grouped_matmul_tn runs {TILE_N}-column tiles; got "
-                         f"MosaicConfig.tile_n={cfg.tile_n}")
     (p, m), q = x.shape, y.shape[0]
     if m % TILE:
         raise ValueError(f"scaled_grouped_matmul_tn wants a tile-aligned token axis (a "
@@ -417,6 +428,7 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
     y, y_scale = tma_ready(y, 0), tma_ready(y_scale, 0)
     groups = group_sizes.shape[0]
     split = split or token_split(groups, p, q, m)
+    cfg = wgrad_config(cfg or DEFAULT_CONFIG, groups, split, p, q, mosaic_common.sm_count())
     blocks = split_blocks(group_sizes.astype(jnp.int32) // TILE, split).reshape(-1)
     starts = (jnp.cumsum(blocks) - blocks) * TILE
     part_dtype = jnp.float32 if split > 1 else out_dtype
@@ -426,6 +438,22 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
     if split > 1:  # each group's partial sums, added in FP32
         out = out.reshape(groups, split, *out.shape[1:]).sum(1).astype(out_dtype)
     return out[:, :p, :q] if out.shape[1:] != (p, q) else out
+
+
+def wgrad_config(cfg: MosaicConfig, groups: int, split: int, p: int, q: int,
+                 sms: int) -> MosaicConfig:
+    """`cfg` with the wgrad's column tile chosen: as `MosaicConfig.for_tiles` for its
+    (group x piece x row tile) visits, but 128 wherever one group's wide tiles would be
+    fewer than the SMs. A wgrad tile runs as many K steps as its group has token blocks,
+    so under skewed routing one heavy expert's few long tiles outlast the rest of the
+    grid, and a wide tile halves how many there are to spread. On an H100 (session 22 in
+    docs/performance.md), the `small` preset's 64-expert wgrads (8 x 3 wide tiles per
+    group) ran 16% faster wide under near-even routing but 20-36% slower where one expert
+    had 19-60% of the tokens, as in early training (the FP8 step's wgrads: 22.0 ms a
+    step wide, 18.3 narrow)."""
+    if cfg.tile_n is None and groups > 1 and cdiv(p, CTA_M) * cdiv(q, WIDE_TILE_N) < sms:
+        return dataclasses.replace(cfg, tile_n=TILE_N)
+    return cfg.for_tiles(groups * split * cdiv(p, CTA_M), q, sms)
 
 
 MIN_SPLIT_STEPS = 8  # 128-token steps per piece of a split group: a ring fill per piece

@@ -317,8 +317,9 @@ def test_mosaic_fp8_ring_depth_divides_short_k_loops():
 def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     """256-column CTA tiles where they take no more waves of the 132 SMs (in 128-column
     tile times) than 128-column ones, with the ring cut to what fits beside them; an
-    explicit tile is kept, a bad one refused; the wide kernel lowers for a Hopper."""
-    from pallas_kernels import mosaic_common
+    explicit tile is kept, a bad one refused; the wide fprop and wgrad kernels lower for a
+    Hopper."""
+    from pallas_kernels import mosaic_common, mosaic_gemm
     from pallas_kernels.mosaic_gemm import MosaicConfig, scaled_grouped_matmul
 
     pick = lambda m, n, groups=1: MosaicConfig().for_tiles(-(-m // 128) + groups, n, 132)  # noqa: E731
@@ -327,6 +328,15 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     assert pick(8192, 2112).tile_n == 128 and pick(8192, 2112).stages == 4  # 10 > 9 waves
     assert pick(7168, 2048).tile_n == 128  # 8 > 7
     assert MosaicConfig(tile_n=128).for_tiles(65, 7168, 132).tile_n == 128
+    # The wgrad: wide where each group keeps at least as many wide tiles as SMs (or there
+    # is one group) and the waves allow; narrow for the small preset's 64 experts.
+    wgrad_pick = lambda g, p, q, split=1: mosaic_gemm.wgrad_config(  # noqa: E731
+        MosaicConfig(), g, split, p, q, 132).tile_n
+    assert wgrad_pick(64, 1024, 704) == 128 and wgrad_pick(64, 704, 1024) == 128
+    assert wgrad_pick(8, 7168, 4096) == 256 and wgrad_pick(8, 2048, 7168) == 256
+    assert wgrad_pick(1, 1024, 4096) == 256 and wgrad_pick(1, 1024, 1408) == 128
+    assert mosaic_gemm.wgrad_config(MosaicConfig(tile_n=256, stages=3), 64, 1, 1024, 704,
+                                    132).tile_n == 256  # an explicit tile is kept
     with pytest.raises(ValueError, match="tile_n=192"):
         MosaicConfig(tile_n=192)
     with pytest.raises(ValueError, match="at most 3 stages"):
@@ -337,6 +347,12 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
         a, b, jnp.array([300, 0, 200, 12], jnp.int32), a_scale=s_, b_scale=bs,
         cfg=MosaicConfig(tile_n=256, stages=3)))
     assert "fp8_grouped_gemm" in call.trace(a8, a_scale, b8, b_scale).lower(
+        lowering_platforms=("cuda",)).as_text()
+    x, xs = jax.ShapeDtypeStruct((320, 1024), a8.dtype), jax.ShapeDtypeStruct((320, 8), a_scale.dtype)
+    wgrad = jax.jit(lambda x, xs: mosaic_gemm.scaled_grouped_matmul_tn(
+        x, x, jnp.array([512, 0, 512], jnp.int32), x_scale=xs, y_scale=xs,
+        cfg=MosaicConfig(tile_n=256, stages=3)))
+    assert "fp8_grouped_wgrad_gemm" in wgrad.trace(x, xs).lower(
         lowering_platforms=("cuda",)).as_text()
 
 

@@ -99,11 +99,13 @@ def _wgrad_operands(p: int, q: int, sizes: np.ndarray, seed: int, nan_row: int |
     return pk.quantize_along_tokens(x, layout), pk.quantize_along_tokens(y, layout), layout
 
 
-def _mosaic_fp8_wgrad(xq, yq, layout) -> np.ndarray:
+def _mosaic_fp8_wgrad(xq, yq, layout, tile_n: int | None = None) -> np.ndarray:
     from pallas_kernels import mosaic_gemm
 
+    cfg = mosaic_gemm.MosaicConfig(tile_n=tile_n, stages=3 if tile_n == 256 else 4)
     return np.asarray(mosaic_gemm.scaled_grouped_matmul_tn(
-        xq[0], yq[0], layout.sizes, x_scale=xq[1], y_scale=yq[1], out_dtype=jnp.float32))
+        xq[0], yq[0], layout.sizes, x_scale=xq[1], y_scale=yq[1], out_dtype=jnp.float32,
+        cfg=cfg))
 
 
 SKEWED_64 = (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
@@ -111,19 +113,20 @@ SKEWED_64 = (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
 
 
 @needs_mosaic
+@pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("p,q,sizes", [
     (320, 200, SIZES),  # groups of 0/1/127/129 rows; P and Q off the 128 grid
-    (512, 384, np.array([1000], np.int32)),  # dense: one group, long K
+    (512, 384, np.array([1000], np.int32)),  # dense, long K; a 256 tile's half past Q
     (256, 256, SKEWED_64),  # 64 skewed groups, some empty
     (256, 200, np.array([16000], np.int32)),  # dense, 4 tiles of 125 steps: split-K
 ])
-def test_mosaic_fp8_wgrad_gpu(p, q, sizes):
+def test_mosaic_fp8_wgrad_gpu(p, q, sizes, tile_n):
     from pallas_kernels import mosaic_gemm
 
-    xq, yq, layout = _wgrad_operands(p, q, sizes, seed=p + q + len(sizes))
+    xq, yq, layout = _wgrad_operands(p, q, sizes, seed=p + q + len(sizes) + tile_n)
     if sizes.sum() > 8000:  # the dense long-K case exercises split-K
         assert mosaic_gemm.token_split(len(sizes), p, q, layout.length) > 1
-    out = _mosaic_fp8_wgrad(xq, yq, layout)
+    out = _mosaic_fp8_wgrad(xq, yq, layout, tile_n)
     x64, y64 = (_ref64(lambda v: v, dequantize(v, s, 1)) for v, s in (xq, yq))
     ends = np.cumsum(np.asarray(layout.sizes))
     ref = np.stack([x64[:, lo:hi] @ y64[:, lo:hi].T
