@@ -224,6 +224,20 @@ def _stage(out_smem, wg, values: jax.Array):
     return out_smem.at[wg]
 
 
+def _store_halves(out_smem, wg, sums, first_col, limit: int, write) -> None:
+    """Stages each 128-column half of this consumer's tile and hands it to
+    ``write(staged, columns)``, skipping a half that starts at or past `limit` (a wide
+    tile's second half may lie wholly past the output's last column)."""
+    from jax.experimental import pallas as pl
+
+    for half, values in enumerate(sums):
+        col0 = first_col + half * TILE_N
+
+        @pl.when(col0 < limit)
+        def _store():
+            write(_stage(out_smem, wg, values), pl.ds(col0, TILE_N))
+
+
 def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
             groups: int, cfg: MosaicConfig):
     from jax.experimental import pallas as pl
@@ -260,13 +274,8 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                 info, tiles_m, tiles_n, cfg.grid_tile_width, wg, ends_gmem, groups)
 
             def store(sums):
-                for half, values in enumerate(sums):
-                    col0 = ni * tile_n + half * TILE_N
-
-                    @pl.when(col0 < n)  # a wide tile's second half may lie past N
-                    def _store():
-                        store_rows(_stage(out_smem, wg, values),
-                                   out_gmem.at[:, pl.ds(col0, TILE_N)], wg_row0, first, count)
+                _store_halves(out_smem, wg, sums, ni * tile_n, n, lambda staged, cols:
+                              store_rows(staged, out_gmem.at[:, cols], wg_row0, first, count))
 
             def compute_context(run):
                 store(run((_wgmma_zeros(),) * halves))
@@ -339,13 +348,8 @@ def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_g
             out_rows = out_gmem.at[g, pl.ds(pi * CTA_M + wg * WG_ROWS, WG_ROWS)]
 
             def store(sums):
-                for half, values in enumerate(sums):
-                    col0 = qi * tile_q + half * TILE_N
-
-                    @pl.when(col0 < q)  # a wide tile's second half may lie past Q
-                    def _store():
-                        plgpu.copy_smem_to_gmem(_stage(out_smem, wg, values),
-                                                out_rows.at[:, pl.ds(col0, TILE_N)])
+                _store_halves(out_smem, wg, sums, qi * tile_q, q, lambda staged, cols:
+                              plgpu.copy_smem_to_gmem(staged, out_rows.at[:, cols]))
 
             def compute_context(run):
                 store(run((_wgmma_zeros(),) * halves))
@@ -353,6 +357,7 @@ def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_g
             def step(idx, x_smem, x_scale_smem, y_smem, y_scale_smem, sums):
                 (s,) = idx
                 sx = _row_scales(x_scale_smem, wg)
+                keep = lax.broadcast_in_dim(s < blocks, (WG_ROWS, TILE_N), ())
                 promoted = []
                 for half, total in enumerate(sums):
                     cols = pl.ds(half * TILE_N, TILE_N)
@@ -360,7 +365,6 @@ def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_g
                     sy = _load_vector(y_scale_smem.at[0, cols], 1)
                     scaled = (part * _broadcast(sx, part.shape, 0)
                               * _broadcast(sy, part.shape, 1))
-                    keep = lax.broadcast_in_dim(s < blocks, part.shape, ())
                     promoted.append(lax.select(keep, total + scaled, total))
                 return tuple(promoted)
 
