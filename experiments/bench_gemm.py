@@ -422,7 +422,7 @@ def small_fp8_rows() -> list[Row]:
     import jax.numpy as jnp
 
     import pallas_kernels as pk
-    from pallas_kernels import mosaic_gemm, reference
+    from pallas_kernels import mosaic_common, mosaic_gemm, reference
     from pallas_kernels.quantize import dequantize
     from pallas_kernels.triton_gemm import _pad_axis
 
@@ -438,17 +438,20 @@ def small_fp8_rows() -> list[Row]:
         dy = jax.random.normal(next(key), (t, q), jnp.bfloat16)
         (xq, xs), (dq, ds) = pk.quantize_along_tokens(x), pk.quantize_along_tokens(dy)
         sizes = jnp.array([t], jnp.int32)
-        wgrad = lambda xq, dq, xs, ds, sizes, split=None: mosaic_gemm.scaled_grouped_matmul_tn(
-            xq, dq, sizes, x_scale=xs, y_scale=ds, out_dtype=jnp.float32, split=split)
+        wgrad = lambda xq, dq, xs, ds, sizes, piece=None: mosaic_gemm.scaled_grouped_matmul_tn(
+            xq, dq, sizes, x_scale=xs, y_scale=ds, out_dtype=jnp.float32, piece=piece)
         fns = {"ours": bind(wgrad, xq, dq, xs, ds, sizes),
-               "unsplit": bind(functools.partial(wgrad, split=1), xq, dq, xs, ds, sizes),
+               "unsplit": bind(functools.partial(wgrad, piece=mosaic_gemm.UNSPLIT),
+                               xq, dq, xs, ds, sizes),
                "xla_bf16_dot": bind(lambda x, dy: jnp.dot(x.T, dy, preferred_element_type=jnp.float32), x, dy)}
         times = timed(fns)
         err = rel_err(fns["ours"], bind(lambda xq, dq, xs, ds, sizes: reference.grouped_matmul_tn(
             xq, dq, sizes, x_scale=xs, y_scale=ds, token_major=False, out_dtype=jnp.float32),
             xq, dq, xs, ds, sizes))
-        split = mosaic_gemm.token_split(1, p, q, t)
-        rows.append(Row(f"fp8 dense wgrad (split {split})", f"{t}->{p}x{q}", 2 * t * p * q,
+        piece = mosaic_gemm.wgrad_plan(mosaic_gemm.DEFAULT_CONFIG, 1, p, q, t // 128,
+                                       mosaic_common.sm_count())[1]
+        rows.append(Row(f"fp8 dense wgrad (pieces of {piece} blocks)", f"{t}->{p}x{q}",
+                        2 * t * p * q,
                         t * (p + q) + p * q * 4, "fp8", times.pop("ours"), err, times))
     g, m, k, n = SMALL_EXPERTS
     sizes = jnp.asarray(group_sizes(g, m), jnp.int32)

@@ -310,15 +310,24 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
             return carry | runs.astype(jnp.int32)
 
 
-def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem,
-               out_gmem, *, cfg: MosaicConfig):
+def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem, *,
+               cfg: MosaicConfig, chained: bool):
     """wgrad: out[g] (P, Q) = sum over group g's 128-token blocks of the x (P rows) and y
     (Q rows) tiles' product, scaled by x's row scales and y's column scales. A wide column
-    tile is two 128-column halves, each promoted with its own 128 column scales."""
+    tile is two 128-column halves, each promoted with its own 128 column scales.
+
+    The grid walks pieces (`piece_table`: a run of one group's token blocks) times output
+    tiles. ``chained``: a group cut into several pieces sums them in the output, in piece
+    order: piece 0 stores its tile, piece r > 0 waits until r pieces have landed (a
+    global-memory semaphore per tile and consumer), adds its own with a TMA reduce-add and
+    signals the next. The order is fixed, so the result is deterministic; a piece only
+    waits on pieces of lower grid index, which every persistent CTA reaches first, so
+    nothing deadlocks; the last piece's wait takes the semaphore back to zero."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     groups, p, q = out_gmem.shape
+    n_pieces = pieces_gmem.shape[1]
     tile_q = cfg.tile_n
     halves = tile_q // TILE_N
     tiles_p, tiles_q = cdiv(p, CTA_M), cdiv(q, tile_q)  # partial last tiles: stores clipped
@@ -334,22 +343,52 @@ def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_g
     ignore = lambda *_, **__: None
     allocs = pipeline(ignore, ignore, cfg.stages, 0).get_allocations(
         x_gmem, x_scale_gmem, y_gmem, y_scale_gmem)
+    landed = (pl.get_global(plgpu.SemaphoreType.REGULAR((groups * tiles_p * tiles_q * 2,)))
+              if chained else None)
 
     @functools.partial(_with_staging, allocs, out_gmem.dtype)
     def _scope(allocs, out_smem, wg):
-        @plgpu.nd_loop((groups * tiles_p * tiles_q,), collective_axes="sm")
+        @plgpu.nd_loop((n_pieces * tiles_p * tiles_q,), collective_axes="sm")
         def _tiles(info):
-            g, pi, qi = wgrad_tile(info, tiles_p, tiles_q, cfg.grid_tile_width)
-            first_block, blocks = lax.div(starts_gmem[g], jnp.int32(TILE)), blocks_gmem[g]
+            piece, pi, qi = wgrad_tile(info, tiles_p, tiles_q, cfg.grid_tile_width)
+            field = lambda f: pieces_gmem[f, piece]  # noqa: E731
+            g, first_block, blocks = field(0), field(1), field(2)
             # Whole turns of the ring, as in mosaic_bf16_gemm's wgrad (pipelines of other
             # lengths in a row desynchronize the ring's barrier phases); the extra steps
-            # read the next group's tokens or zero-filled blocks and are not accumulated.
+            # read the next piece's tokens or zero-filled blocks and are not accumulated.
             steps = lax.div(blocks + (cfg.stages - 1), jnp.int32(cfg.stages)) * cfg.stages
-            out_rows = out_gmem.at[g, pl.ds(pi * CTA_M + wg * WG_ROWS, WG_ROWS)]
 
             def store(sums):
-                _store_halves(out_smem, wg, sums, qi * tile_q, q, lambda staged, cols:
-                              plgpu.copy_smem_to_gmem(staged, out_rows.at[:, cols]))
+                # What only the epilogue needs is read here, not held in registers
+                # through the K loop (the wide tile's consumers have none to spare).
+                g, rank, last = field(0), field(3), field(4)
+                out_rows = out_gmem.at[g, pl.ds(pi * CTA_M + wg * WG_ROWS, WG_ROWS)]
+
+                def write(staged, cols):
+                    plgpu.copy_smem_to_gmem(staged, out_rows.at[:, cols])
+
+                if not chained:
+                    _store_halves(out_smem, wg, sums, qi * tile_q, q, write)
+                    return
+                sem = landed.at[((g * tiles_p + pi) * tiles_q + qi) * 2 + wg]
+                for decrement in (False, True):  # the last piece resets the count
+                    @pl.when((rank > 0) & ((last != 0) == decrement))
+                    def _wait_turn(decrement=decrement):
+                        plgpu.semaphore_wait(sem, rank, decrement=decrement, memory_scope="gpu")
+
+                def write_or_add(staged, cols):
+                    pl.when(rank == 0)(lambda: write(staged, cols))
+
+                    @pl.when(rank > 0)
+                    def _add():
+                        plgpu.copy_smem_to_gmem(staged, out_rows.at[:, cols], reduction_op="add")
+
+                _store_halves(out_smem, wg, sums, qi * tile_q, q, write_or_add)
+
+                @pl.when(last == 0)
+                def _signal():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
             def compute_context(run):
                 store(run((_wgmma_zeros(),) * halves))
@@ -368,7 +407,9 @@ def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_g
                     promoted.append(lax.select(keep, total + scaled, total))
                 return tuple(promoted)
 
-            @pl.when(steps > 0)
+            used = g < groups  # the table's slots past the last piece do nothing
+
+            @pl.when(used & (steps > 0))
             def _real():
                 pipeline(step, compute_context, steps, first_block)(
                     x_gmem.at[pl.ds(pi * CTA_M, CTA_M)],
@@ -378,7 +419,7 @@ def _tn_kernel(starts_gmem, blocks_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_g
                     allocations=allocs,
                 )
 
-            @pl.when((steps == 0) & (wg < 2))
+            @pl.when(used & (steps == 0) & (wg < 2))
             def _empty_group():
                 store((_wgmma_zeros(),) * halves)
 
@@ -413,7 +454,7 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
 
 
 def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=jnp.bfloat16,
-                             cfg: MosaicConfig | None = None, split: int | None = None
+                             cfg: MosaicConfig | None = None, piece: int | None = None
                              ) -> jax.Array:
     """(G, P, Q): dequant(x)_g @ dequant(y)_g^T over each group's tokens; x (P, M) and
     y (Q, M) FP8, token-minor, with 1x128 scales along tokens (P, M/128) and (Q, M/128).
@@ -421,8 +462,9 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
     The tokens must be in a tile-aligned layout (`group_schedule.AlignedLayout`): every
     group starts on a multiple of 128 and group_sizes are multiples of 128, so each K
     step belongs to one group and nothing is masked. Partial last tiles of P and Q need
-    no padding (only to multiples of 64, `mosaic_common.tma_ready`). ``split``: pieces each
-    group's tokens are cut into, their FP32 partial sums added after (None: `token_split`).
+    no padding (only to multiples of 64, `mosaic_common.tma_ready`). ``piece``: the most
+    128-token blocks one CTA runs for a tile; a longer group is cut into pieces summed in
+    the kernel in FP32 (split-K; None: `wgrad_plan`, `UNSPLIT`: never cut).
     """
     (p, m), q = x.shape, y.shape[0]
     if m % TILE:
@@ -430,53 +472,82 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
                          f"multiple of {TILE}); got x {x.shape}")
     x, x_scale = tma_ready(x, 0), tma_ready(x_scale, 0)
     y, y_scale = tma_ready(y, 0), tma_ready(y_scale, 0)
-    groups = group_sizes.shape[0]
-    split = split or token_split(groups, p, q, m)
-    cfg = wgrad_config(cfg or DEFAULT_CONFIG, groups, split, p, q, mosaic_common.sm_count())
-    blocks = split_blocks(group_sizes.astype(jnp.int32) // TILE, split).reshape(-1)
-    starts = (jnp.cumsum(blocks) - blocks) * TILE
-    part_dtype = jnp.float32 if split > 1 else out_dtype
-    out_type = _out_shape((blocks.shape[0], x.shape[0], y.shape[0]), part_dtype, x, y)
-    out = persistent_call(functools.partial(_tn_kernel, cfg=cfg), out_type, starts,
-                          blocks, x, x_scale.T, y, y_scale.T, name="fp8_grouped_wgrad_gemm")
-    if split > 1:  # each group's partial sums, added in FP32
-        out = out.reshape(groups, split, *out.shape[1:]).sum(1).astype(out_dtype)
-    return out[:, :p, :q] if out.shape[1:] != (p, q) else out
+    groups, blocks = group_sizes.shape[0], m // TILE
+    cfg, planned = wgrad_plan(cfg or DEFAULT_CONFIG, groups, p, q, blocks,
+                              mosaic_common.sm_count())
+    piece = planned if piece is None else piece
+    if piece < 1:
+        raise ValueError(f"scaled_grouped_matmul_tn(piece={piece}): must be >= 1 token block")
+    n_pieces = groups + blocks // piece  # at most this many pieces, whatever the sizes
+    chained = n_pieces > groups
+    table = piece_table(group_sizes.astype(jnp.int32) // TILE, piece, n_pieces)
+    kernel_dtype = jnp.float32 if chained else out_dtype  # pieces are summed in FP32
+    out_type = _out_shape((groups, x.shape[0], y.shape[0]), kernel_dtype, x, y)
+    out = persistent_call(functools.partial(_tn_kernel, cfg=cfg, chained=chained), out_type,
+                          table, x, x_scale.T, y, y_scale.T, name="fp8_grouped_wgrad_gemm")
+    out = out[:, :p, :q] if out.shape[1:] != (p, q) else out
+    return out.astype(out_dtype)
 
 
-def wgrad_config(cfg: MosaicConfig, groups: int, split: int, p: int, q: int,
-                 sms: int) -> MosaicConfig:
-    """`cfg` with the wgrad's column tile chosen: as `MosaicConfig.for_tiles` for its
-    (group x piece x row tile) visits, but 128 wherever one group's wide tiles would be
-    fewer than the SMs. A wgrad tile runs as many K steps as its group has token blocks,
-    so under skewed routing one heavy expert's few long tiles outlast the rest of the
-    grid, and a wide tile halves how many there are to spread. On an H100 (session 22 in
-    docs/performance.md), the `small` preset's 64-expert wgrads (8 x 3 wide tiles per
-    group) ran 16% faster wide under near-even routing but 20-36% slower where one expert
-    had 19-60% of the tokens, as in early training (the FP8 step's wgrads: 22.0 ms a
-    step wide, 18.3 narrow)."""
-    if cfg.tile_n is None and groups > 1 and cdiv(p, CTA_M) * cdiv(q, WIDE_TILE_N) < sms:
-        return dataclasses.replace(cfg, tile_n=TILE_N)
-    return cfg.for_tiles(groups * split * cdiv(p, CTA_M), q, sms)
+UNSPLIT = 2**31 - 1  # a `piece` no group reaches: every group runs as one piece
+MIN_PIECE_STEPS = 8  # 128-token steps per piece of a cut group: a ring fill per piece
 
 
-MIN_SPLIT_STEPS = 8  # 128-token steps per piece of a split group: a ring fill per piece
+def wgrad_plan(cfg: MosaicConfig, groups: int, p: int, q: int, blocks: int,
+               sms: int) -> tuple[MosaicConfig, int]:
+    """The wgrad's column tile and piece length (the most token blocks one CTA runs for
+    one output tile) for `blocks` aligned token blocks.
+
+    One group (a dense layer): cut into as many pieces as the SMs its tiles leave idle
+    hold, at least `MIN_PIECE_STEPS` each. A dense 1024 x 320 wgrad over 16384 tokens has
+    24 tiles of 128 steps: unsplit, 24 of 132 SMs worked, and each of the `small` preset's
+    eight dense FP8 wgrads took ~73 us whatever its size (session 16's H100 trace).
+
+    Several groups: the fprop's wave rule picks the column tile, and a group longer than
+    half of an SM's share of the steps is cut into pieces of at most that half. A tile
+    runs as many steps as its group has blocks and the persistent grid deals tiles out
+    round robin, so under skewed routing one heavy expert's tiles outlasted the rest. On
+    an H100 (session 23 in docs/performance.md), the `small` preset's expert wgrads ran,
+    at even / 18% / 23% largest expert: 300 / 303 / 314 us on 128 columns unsplit in
+    expert order (session 22's default), 240 / 297 / 315 wide unsplit, longest first,
+    and 259 / 290 / 273 wide with these pieces. The cut's in-kernel sum costs about
+    12 us a call even where nothing is cut."""
+    if groups == 1:
+        tiles = cdiv(p, CTA_M) * cdiv(q, TILE_N)
+        split = max(1, min(sms // tiles, blocks // MIN_PIECE_STEPS))
+        cfg = cfg.for_tiles(split * cdiv(p, CTA_M), q, sms)
+        return cfg, cdiv(blocks, split) if split > 1 else UNSPLIT
+    cfg = cfg.for_tiles(groups * cdiv(p, CTA_M), q, sms)
+    share = cdiv(blocks * cdiv(p, CTA_M) * cdiv(q, cfg.tile_n), sms)
+    return cfg, max(MIN_PIECE_STEPS, cdiv(share, 2))
 
 
-def token_split(groups: int, p: int, q: int, tokens: int) -> int:
-    """How many pieces to cut each group's tokens into, so that a (G, P, Q) wgrad over
-    `tokens` aligned tokens with fewer output tiles than SMs still fills the persistent
-    grid (split-K). A dense layer's wgrad over 16384 tokens into a 1024 x 320 output has 24
-    tiles of 128 steps each: 24 of 132 SMs worked, and each of the `small` preset's eight
-    dense FP8 wgrads took ~73 us whatever its size (session 16's H100 trace)."""
-    tiles = groups * cdiv(p, CTA_M) * cdiv(q, TILE_N)
-    blocks_per_group = tokens // TILE // groups
-    return max(1, min(mosaic_common.sm_count() // tiles, blocks_per_group // MIN_SPLIT_STEPS))
+def piece_table(blocks: jax.Array, piece: int, n_pieces: int) -> jax.Array:
+    """(5, n_pieces) int32, per piece in grid order: group, first token block, blocks,
+    rank within its group (its place in the group's sum) and whether it is the group's
+    last. Group g's blocks are cut into ceil(blocks / piece) consecutive pieces whose sizes
+    differ by at most one (an empty group keeps one empty piece, which stores zeros);
+    slots past the last piece get group G and do nothing.
 
-
-def split_blocks(blocks: jax.Array, split: int) -> jax.Array:
-    """(G, split): group g's token blocks cut into `split` consecutive pieces of
-    ceil(blocks / split) (the last ones shorter or empty)."""
-    piece = (blocks + split - 1) // split
-    first = jnp.arange(split, dtype=blocks.dtype) * piece[:, None]
-    return jnp.clip(blocks[:, None] - first, 0, piece[:, None])
+    Groups come longest first (ties by index): the longest tiles start in the first wave,
+    the short ones fill in behind them, and a cut group's pieces start together, so each
+    finds the one before it landed. Built from broadcast compares over the G groups
+    (XLA fuses them; a sort or a searchsorted would each add kernels to every call)."""
+    groups = blocks.shape[0]
+    ids = jnp.arange(groups, dtype=jnp.int32)
+    before = (blocks[None, :] > blocks[:, None]) | (
+        (blocks[None, :] == blocks[:, None]) & (ids[None, :] < ids[:, None]))
+    place = before.sum(1)  # group g's place in the order
+    order = jnp.where(place[None, :] == ids[:, None], ids[None, :], 0).sum(1)
+    length = blocks[order]
+    cuts = jnp.maximum(1, -(-length // piece))
+    ends = jnp.cumsum(cuts)
+    slot = jnp.arange(n_pieces, dtype=jnp.int32)
+    k = (slot[:, None] >= ends[None, :]).sum(1)  # the slot's place in the order; G: unused
+    kk = jnp.minimum(k, groups - 1)
+    rank = slot - (ends - cuts)[kk]
+    base, extra = length[kk] // cuts[kk], length[kk] % cuts[kk]
+    start = (jnp.cumsum(blocks) - blocks)[order[kk]] + rank * base + jnp.minimum(rank, extra)
+    group = jnp.where(k < groups, order[kk], groups)
+    return jnp.stack([group, start, base + (rank < extra), rank,
+                      rank == cuts[kk] - 1]).astype(jnp.int32)

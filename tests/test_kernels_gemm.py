@@ -276,30 +276,59 @@ def test_mosaic_kernels_lower_for_a_hopper_on_cpu(monkeypatch):
         assert name in text
 
 
-def test_fp8_wgrad_splits_tokens_only_when_tiles_leave_sms_idle(monkeypatch):
-    """Split-K for the FP8 wgrad: a group's tokens are cut into contiguous pieces (their
-    partial sums added in FP32) only where the output tiles leave SMs idle and each piece
-    keeps enough K steps; the split call still lowers for a Hopper."""
+def test_fp8_wgrad_cuts_long_groups_into_pieces(monkeypatch):
+    """Split-K for the FP8 wgrad: a dense layer's tokens are cut where its output tiles
+    leave SMs idle (and each piece keeps enough K steps); grouped wgrads cut only a group
+    longer than half of an SM's share of the steps. The piece table covers every group's
+    blocks once, in order, with ranks and the last piece marked; a cut call sums in an FP32
+    kernel output and still lowers for a Hopper."""
     from pallas_kernels import mosaic_common, mosaic_gemm
+    from pallas_kernels.mosaic_gemm import UNSPLIT, MosaicConfig
 
+    plan = lambda g, p, q, blocks: mosaic_gemm.wgrad_plan(  # noqa: E731
+        MosaicConfig(), g, p, q, blocks, 132)[1]
+    assert plan(1, 1024, 320, 128) == 26  # 24 tiles: 5 pieces fill 120 of 132 SMs
+    assert plan(1, 1024, 4096, 128) == UNSPLIT  # 256 tiles already fill the SMs
+    assert plan(1, 256, 256, 7) == UNSPLIT  # too few steps to share
+    # The small preset's experts (768 blocks, 8 x 3 wide tiles a group): an SM's share is
+    # 140 steps, so a group is cut above 70 blocks (9% of the tokens).
+    assert plan(64, 1024, 704, 768) == 70
+    assert plan(8, 7168, 4096, 256) > 256  # the 8-group bench shape: never cut
+    blocks = jnp.array([125, 0, 3, 17, 8], jnp.int32)
+    starts = np.cumsum(blocks) - blocks
+    for piece in (1, 4, 8, 50, UNSPLIT):
+        n_pieces = len(blocks) + int(blocks.sum()) // piece
+        group, start, size, rank, last = np.asarray(
+            mosaic_gemm.piece_table(blocks, piece, n_pieces))
+        for g, total in enumerate(np.asarray(blocks)):
+            mine = group == g
+            assert mine.sum() == max(1, -(-total // piece))
+            assert size[mine].sum() == total and np.all(size[mine] <= piece)
+            assert total == 0 or np.all(size[mine] > 0)
+            assert size[mine].max() - size[mine].min() <= 1
+            np.testing.assert_array_equal(start[mine], starts[g] + np.cumsum(size[mine]) - size[mine])
+            np.testing.assert_array_equal(rank[mine], np.arange(mine.sum()))
+            np.testing.assert_array_equal(last[mine], np.arange(mine.sum()) == mine.sum() - 1)
+        used = group < len(blocks)
+        assert np.all(group[~used] == len(blocks)) and np.all(used[:used.sum()])
+        first_slots = [np.flatnonzero(group == g)[0] for g in range(len(blocks))]
+        # Longest group first (ties by index): 125, 17, 8, 3, then the empty one.
+        assert list(np.argsort(first_slots)) == [0, 3, 4, 2, 1]
     monkeypatch.setattr(mosaic_common, "sm_count", lambda: 132)
-    assert mosaic_gemm.token_split(1, 1024, 320, 16384) == 5  # a dense 1024 x 320 wgrad, 16384 tokens
-    assert mosaic_gemm.token_split(64, 1024, 704, 64 * 1536) == 1  # the small preset's experts
-    assert mosaic_gemm.token_split(1, 256, 256, 7 * 128) == 1  # too few steps to share
-    blocks = jnp.array([125, 0, 3, 17], jnp.int32)
-    for split in (1, 2, 5):
-        pieces = np.asarray(mosaic_gemm.split_blocks(blocks, split))
-        assert pieces.shape == (4, split)
-        np.testing.assert_array_equal(pieces.sum(1), blocks)
-        assert np.all(np.diff(pieces, axis=1) <= 0)  # full pieces first, then the rest
-        assert np.all(pieces <= -(-np.asarray(blocks)[:, None] // split))
     x = jax.ShapeDtypeStruct((256, 4096), jnp.float8_e4m3fn)
     scale = jax.ShapeDtypeStruct((256, 32), jnp.float32)
-    call = jax.jit(lambda x, xs: mosaic_gemm.scaled_grouped_matmul_tn(
-        x, x, jnp.array([4096], jnp.int32), x_scale=xs, y_scale=xs, out_dtype=jnp.bfloat16))
-    lowered = call.trace(x, scale).lower(lowering_platforms=("cuda",))
-    assert "tensor<4x256x256xf32>" in lowered.as_text()  # 4 pieces of 8 steps, FP32 parts
-    assert lowered.out_info.shape == (1, 256, 256)
+    for piece, kernel_out in ((None, "tensor<1x256x256xf32>"), (UNSPLIT, "tensor<1x256x256xbf16>")):
+        call = jax.jit(lambda x, xs, piece=piece: mosaic_gemm.scaled_grouped_matmul_tn(
+            x, x, jnp.array([4096], jnp.int32), x_scale=xs, y_scale=xs,
+            out_dtype=jnp.bfloat16, piece=piece))
+        lowered = call.trace(x, scale).lower(lowering_platforms=("cuda",))
+        assert kernel_out in lowered.as_text()  # cut: the pieces sum in FP32
+        assert lowered.out_info.shape == (1, 256, 256) and lowered.out_info.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="piece=0"):
+        mosaic_gemm.scaled_grouped_matmul_tn(jnp.zeros((256, 128), jnp.float8_e4m3fn),
+                                             jnp.zeros((256, 128), jnp.float8_e4m3fn),
+                                             jnp.array([128]), x_scale=jnp.ones((256, 1)),
+                                             y_scale=jnp.ones((256, 1)), piece=0)
 
 
 def test_mosaic_fp8_ring_depth_divides_short_k_loops():
@@ -328,15 +357,15 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     assert pick(8192, 2112).tile_n == 128 and pick(8192, 2112).stages == 4  # 10 > 9 waves
     assert pick(7168, 2048).tile_n == 128  # 8 > 7
     assert MosaicConfig(tile_n=128).for_tiles(65, 7168, 132).tile_n == 128
-    # The wgrad: wide where each group keeps at least as many wide tiles as SMs (or there
-    # is one group) and the waves allow; narrow for the small preset's 64 experts.
-    wgrad_pick = lambda g, p, q, split=1: mosaic_gemm.wgrad_config(  # noqa: E731
-        MosaicConfig(), g, split, p, q, 132).tile_n
-    assert wgrad_pick(64, 1024, 704) == 128 and wgrad_pick(64, 704, 1024) == 128
-    assert wgrad_pick(8, 7168, 4096) == 256 and wgrad_pick(8, 2048, 7168) == 256
-    assert wgrad_pick(1, 1024, 4096) == 256 and wgrad_pick(1, 1024, 1408) == 128
-    assert mosaic_gemm.wgrad_config(MosaicConfig(tile_n=256, stages=3), 64, 1, 1024, 704,
-                                    132).tile_n == 256  # an explicit tile is kept
+    # The wgrad: the same wave rule over its (group x row tile) visits, or (one group) its
+    # pieces' visits; an explicit tile is kept.
+    wgrad_pick = lambda g, p, q, blocks: mosaic_gemm.wgrad_plan(  # noqa: E731
+        MosaicConfig(), g, p, q, blocks, 132)[0].tile_n
+    assert wgrad_pick(64, 1024, 704, 768) == 256 and wgrad_pick(64, 704, 1024, 768) == 256
+    assert wgrad_pick(8, 7168, 4096, 256) == 256 and wgrad_pick(8, 2048, 7168, 256) == 256
+    assert wgrad_pick(1, 1024, 4096, 128) == 256 and wgrad_pick(1, 1024, 1408, 128) == 128
+    assert mosaic_gemm.wgrad_plan(MosaicConfig(tile_n=128), 64, 1024, 704, 768,
+                                  132)[0].tile_n == 128  # an explicit tile is kept
     with pytest.raises(ValueError, match="tile_n=192"):
         MosaicConfig(tile_n=192)
     with pytest.raises(ValueError, match="at most 3 stages"):

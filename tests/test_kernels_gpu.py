@@ -99,13 +99,21 @@ def _wgrad_operands(p: int, q: int, sizes: np.ndarray, seed: int, nan_row: int |
     return pk.quantize_along_tokens(x, layout), pk.quantize_along_tokens(y, layout), layout
 
 
-def _mosaic_fp8_wgrad(xq, yq, layout, tile_n: int | None = None) -> np.ndarray:
+def _mosaic_fp8_wgrad(xq, yq, layout, tile_n: int | None = None, piece: int | None = None,
+                      out_dtype=jnp.float32) -> np.ndarray:
     from pallas_kernels import mosaic_gemm
 
     cfg = mosaic_gemm.MosaicConfig(tile_n=tile_n, stages=3 if tile_n == 256 else 4)
     return np.asarray(mosaic_gemm.scaled_grouped_matmul_tn(
-        xq[0], yq[0], layout.sizes, x_scale=xq[1], y_scale=yq[1], out_dtype=jnp.float32,
-        cfg=cfg))
+        xq[0], yq[0], layout.sizes, x_scale=xq[1], y_scale=yq[1], out_dtype=out_dtype,
+        cfg=cfg, piece=piece).astype(jnp.float32))
+
+
+def _wgrad_ref64(xq, yq, layout) -> np.ndarray:
+    x64, y64 = (_ref64(lambda v: v, dequantize(v, s, 1)) for v, s in (xq, yq))
+    ends = np.cumsum(np.asarray(layout.sizes))
+    return np.stack([x64[:, lo:hi] @ y64[:, lo:hi].T
+                     for lo, hi in zip(ends - np.asarray(layout.sizes), ends)])
 
 
 SKEWED_64 = (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
@@ -114,25 +122,34 @@ SKEWED_64 = (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
 
 @needs_mosaic
 @pytest.mark.parametrize("tile_n", [128, 256])
-@pytest.mark.parametrize("p,q,sizes", [
-    (320, 200, SIZES),  # groups of 0/1/127/129 rows; P and Q off the 128 grid
-    (512, 384, np.array([1000], np.int32)),  # dense, long K; a 256 tile's half past Q
-    (256, 256, SKEWED_64),  # 64 skewed groups, some empty
-    (256, 200, np.array([16000], np.int32)),  # dense, 4 tiles of 125 steps: split-K
+@pytest.mark.parametrize("p,q,sizes,piece", [
+    (320, 200, SIZES, None),  # groups of 0/1/127/129 rows; P and Q off the 128 grid
+    (512, 384, np.array([1000], np.int32), None),  # dense, long K; a 256 tile's half past Q
+    (256, 256, SKEWED_64, None),  # 64 skewed groups, some empty
+    (256, 200, np.array([16000], np.int32), None),  # dense, 4 tiles of 125 steps: cut
+    (256, 320, SKEWED_64, 1),  # every block its own piece: chains of up to 9 pieces
 ])
-def test_mosaic_fp8_wgrad_gpu(p, q, sizes, tile_n):
-    from pallas_kernels import mosaic_gemm
+def test_mosaic_fp8_wgrad_gpu(p, q, sizes, piece, tile_n):
+    """The wgrad against float64 on the same FP8 inputs; where groups are cut into
+    pieces, the in-kernel sum is deterministic (two runs bitwise equal) and a BF16 output
+    is the FP32 sum rounded once."""
+    from pallas_kernels import mosaic_common, mosaic_gemm
 
     xq, yq, layout = _wgrad_operands(p, q, sizes, seed=p + q + len(sizes) + tile_n)
-    if sizes.sum() > 8000:  # the dense long-K case exercises split-K
-        assert mosaic_gemm.token_split(len(sizes), p, q, layout.length) > 1
-    out = _mosaic_fp8_wgrad(xq, yq, layout, tile_n)
-    x64, y64 = (_ref64(lambda v: v, dequantize(v, s, 1)) for v, s in (xq, yq))
-    ends = np.cumsum(np.asarray(layout.sizes))
-    ref = np.stack([x64[:, lo:hi] @ y64[:, lo:hi].T
-                    for lo, hi in zip(ends - np.asarray(layout.sizes), ends)])
-    assert _rel(out, ref) <= 1e-3
+    blocks = layout.length // 128
+    cfg = mosaic_gemm.MosaicConfig(tile_n=tile_n, stages=3 if tile_n == 256 else 4)
+    planned = mosaic_gemm.wgrad_plan(cfg, len(sizes), p,
+                                     q, blocks, mosaic_common.sm_count())[1]
+    cut = (piece or planned) < blocks
+    if sizes.sum() > 8000:  # the dense long-K case cuts its tokens
+        assert cut
+    out = _mosaic_fp8_wgrad(xq, yq, layout, tile_n, piece)
+    assert _rel(out, _wgrad_ref64(xq, yq, layout)) <= 1e-3
     assert np.all(out[sizes == 0] == 0)
+    if cut:
+        np.testing.assert_array_equal(_mosaic_fp8_wgrad(xq, yq, layout, tile_n, piece), out)
+        bf16 = _mosaic_fp8_wgrad(xq, yq, layout, tile_n, piece, out_dtype=jnp.bfloat16)
+        np.testing.assert_array_equal(bf16, out.astype(jnp.bfloat16).astype(np.float32))
 
 
 @needs_mosaic
