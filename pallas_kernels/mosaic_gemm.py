@@ -474,7 +474,7 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
     y, y_scale = tma_ready(y, 0), tma_ready(y_scale, 0)
     groups, blocks = group_sizes.shape[0], m // TILE
     cfg, planned = wgrad_plan(cfg or DEFAULT_CONFIG, groups, p, q, blocks,
-                              mosaic_common.sm_count())
+                              mosaic_common.sm_count(), jnp.dtype(out_dtype) == jnp.float32)
     piece = planned if piece is None else piece
     if piece < 1:
         raise ValueError(f"scaled_grouped_matmul_tn(piece={piece}): must be >= 1 token block")
@@ -493,8 +493,8 @@ UNSPLIT = 2**31 - 1  # a `piece` no group reaches: every group runs as one piece
 MIN_PIECE_STEPS = 8  # 128-token steps per piece of a cut group: a ring fill per piece
 
 
-def wgrad_plan(cfg: MosaicConfig, groups: int, p: int, q: int, blocks: int,
-               sms: int) -> tuple[MosaicConfig, int]:
+def wgrad_plan(cfg: MosaicConfig, groups: int, p: int, q: int, blocks: int, sms: int,
+               fp32_out: bool = True) -> tuple[MosaicConfig, int]:
     """The wgrad's column tile and piece length (the most token blocks one CTA runs for
     one output tile) for `blocks` aligned token blocks.
 
@@ -511,13 +511,18 @@ def wgrad_plan(cfg: MosaicConfig, groups: int, p: int, q: int, blocks: int,
     at even / 18% / 23% largest expert: 300 / 303 / 314 us on 128 columns unsplit in
     expert order (session 22's default), 240 / 297 / 315 wide unsplit, longest first,
     and 259 / 290 / 273 wide with these pieces. The cut's in-kernel sum costs about
-    12 us a call even where nothing is cut."""
+    12 us a call even where nothing is cut. Into a narrower output (``fp32_out`` False)
+    groups are not cut: the pieces would sum in an FP32 copy of the whole (G, P, Q)
+    output and a cast pass after it (the bench's 64-group wgrad into BF16: 649 -> 1022
+    us)."""
     if groups == 1:
         tiles = cdiv(p, CTA_M) * cdiv(q, TILE_N)
         split = max(1, min(sms // tiles, blocks // MIN_PIECE_STEPS))
         cfg = cfg.for_tiles(split * cdiv(p, CTA_M), q, sms)
         return cfg, cdiv(blocks, split) if split > 1 else UNSPLIT
     cfg = cfg.for_tiles(groups * cdiv(p, CTA_M), q, sms)
+    if not fp32_out:
+        return cfg, UNSPLIT
     share = cdiv(blocks * cdiv(p, CTA_M) * cdiv(q, cfg.tile_n), sms)
     return cfg, max(MIN_PIECE_STEPS, cdiv(share, 2))
 

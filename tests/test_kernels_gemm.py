@@ -294,6 +294,8 @@ def test_fp8_wgrad_cuts_long_groups_into_pieces(monkeypatch):
     # 140 steps, so a group is cut above 70 blocks (9% of the tokens).
     assert plan(64, 1024, 704, 768) == 70
     assert plan(8, 7168, 4096, 256) > 256  # the 8-group bench shape: never cut
+    assert mosaic_gemm.wgrad_plan(MosaicConfig(), 64, 1024, 704, 768, 132,
+                                  fp32_out=False)[1] == UNSPLIT  # no FP32 copy to sum in
     blocks = jnp.array([125, 0, 3, 17, 8], jnp.int32)
     starts = np.cumsum(blocks) - blocks
     for piece in (1, 4, 8, 50, UNSPLIT):
