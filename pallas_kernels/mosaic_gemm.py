@@ -491,6 +491,7 @@ def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=j
 
 UNSPLIT = 2**31 - 1  # a `piece` no group reaches: every group runs as one piece
 MIN_PIECE_STEPS = 8  # 128-token steps per piece of a cut group: a ring fill per piece
+RARE_CUT = 8  # cut groups only where one with 1/8 of the tokens would be (`wgrad_plan`)
 
 
 def wgrad_plan(cfg: MosaicConfig, groups: int, p: int, q: int, blocks: int, sms: int,
@@ -511,7 +512,10 @@ def wgrad_plan(cfg: MosaicConfig, groups: int, p: int, q: int, blocks: int, sms:
     at even / 18% / 23% largest expert: 300 / 303 / 314 us on 128 columns unsplit in
     expert order (session 22's default), 240 / 297 / 315 wide unsplit, longest first,
     and 259 / 290 / 273 wide with these pieces. The cut's in-kernel sum costs about
-    12 us a call even where nothing is cut. Into a narrower output (``fp32_out`` False)
+    12 us a call even where nothing is cut, and 60 us on the 64 x 2048 x 1408 bench shape
+    (not traced to a cause), where a group would need 36% of the tokens to be cut: so
+    groups are only cut where one holding 1 / `RARE_CUT` of the tokens would be. Into a
+    narrower output (``fp32_out`` False)
     groups are not cut: the pieces would sum in an FP32 copy of the whole (G, P, Q)
     output and a cast pass after it (the bench's 64-group wgrad into BF16: 649 -> 1022
     us)."""
@@ -521,10 +525,9 @@ def wgrad_plan(cfg: MosaicConfig, groups: int, p: int, q: int, blocks: int, sms:
         cfg = cfg.for_tiles(split * cdiv(p, CTA_M), q, sms)
         return cfg, cdiv(blocks, split) if split > 1 else UNSPLIT
     cfg = cfg.for_tiles(groups * cdiv(p, CTA_M), q, sms)
-    if not fp32_out:
-        return cfg, UNSPLIT
-    share = cdiv(blocks * cdiv(p, CTA_M) * cdiv(q, cfg.tile_n), sms)
-    return cfg, max(MIN_PIECE_STEPS, cdiv(share, 2))
+    share = cdiv(blocks * cdiv(p, CTA_M) * cdiv(q, cfg.tile_n), sms)  # an SM's steps
+    piece = max(MIN_PIECE_STEPS, cdiv(share, 2))
+    return cfg, piece if fp32_out and piece * RARE_CUT <= blocks else UNSPLIT
 
 
 def piece_table(blocks: jax.Array, piece: int, n_pieces: int) -> jax.Array:
