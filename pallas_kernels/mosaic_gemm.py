@@ -359,8 +359,7 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
             steps = lax.div(blocks + (cfg.stages - 1), jnp.int32(cfg.stages)) * cfg.stages
 
             def store(sums):
-                # What only the epilogue needs is read here, not held in registers
-                # through the K loop (the wide tile's consumers have none to spare).
+                # Read where only the epilogue needs them, not held through the K loop.
                 g, rank, last = field(0), field(3), field(4)
                 out_rows = out_gmem.at[g, pl.ds(pi * CTA_M + wg * WG_ROWS, WG_ROWS)]
 
