@@ -94,10 +94,14 @@ class MosaicConfig:
         if self.tile_n is not None:
             return self
         waves = lambda width: cdiv(row_tiles * cdiv(n, width), sms) * (width // TILE_N)  # noqa: E731
-        if waves(WIDE_TILE_N) <= WAVE_SLACK * waves(TILE_N):
-            return dataclasses.replace(self, tile_n=WIDE_TILE_N,
-                                       stages=min(self.stages, WIDE_MAX_STAGES))
-        return dataclasses.replace(self, tile_n=TILE_N)
+        wide = waves(WIDE_TILE_N) <= WAVE_SLACK * waves(TILE_N)
+        return self.with_tile_n(WIDE_TILE_N if wide else TILE_N)
+
+    def with_tile_n(self, tile_n: int | None) -> MosaicConfig:
+        """This config with `tile_n` columns (None: per shape), its ring cut to what fits
+        beside a wide tile."""
+        stages = min(self.stages, WIDE_MAX_STAGES) if tile_n == WIDE_TILE_N else self.stages
+        return dataclasses.replace(self, tile_n=tile_n, stages=stages)
 
     def chains(self, k_steps: int) -> bool:
         """Whether pipelines of `k_steps` chain: wanted (short loops when `chain` is None)
@@ -363,8 +367,9 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
                 g, rank, last = field(0), field(3), field(4)
                 out_rows = out_gmem.at[g, pl.ds(pi * CTA_M + wg * WG_ROWS, WG_ROWS)]
 
-                def write(staged, cols):
-                    plgpu.copy_smem_to_gmem(staged, out_rows.at[:, cols])
+                def write(staged, cols, reduction_op=None):
+                    plgpu.copy_smem_to_gmem(staged, out_rows.at[:, cols],
+                                            reduction_op=reduction_op)
 
                 if not chained:
                     _store_halves(out_smem, wg, sums, qi * tile_q, q, write)
@@ -377,10 +382,7 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
 
                 def write_or_add(staged, cols):
                     pl.when(rank == 0)(lambda: write(staged, cols))
-
-                    @pl.when(rank > 0)
-                    def _add():
-                        plgpu.copy_smem_to_gmem(staged, out_rows.at[:, cols], reduction_op="add")
+                    pl.when(rank > 0)(lambda: write(staged, cols, reduction_op="add"))
 
                 _store_halves(out_smem, wg, sums, qi * tile_q, q, write_or_add)
 

@@ -60,7 +60,7 @@ def test_mosaic_fp8_grouped_gemm_gpu(m, n, k, sizes, tile_n):
     ka, kb = jax.random.split(jax.random.key(m + n + k + tile_n))
     aq, as_ = pk.quantize_1x128(jax.random.normal(ka, (m, k), jnp.bfloat16))
     bq, bs = jax.vmap(pk.quantize_128x128)(jax.random.normal(kb, (len(sizes), n, k), jnp.bfloat16))
-    cfg = mosaic_gemm.MosaicConfig(tile_n=tile_n, stages=4 if tile_n == 128 else 3)
+    cfg = mosaic_gemm.MosaicConfig().with_tile_n(tile_n)
     out = np.asarray(jax.jit(lambda *ops: mosaic_gemm.scaled_grouped_matmul(
         *ops, jnp.asarray(sizes), a_scale=as_, b_scale=bs, out_dtype=jnp.float32, cfg=cfg))(
             aq, bq))
@@ -103,7 +103,7 @@ def _mosaic_fp8_wgrad(xq, yq, layout, tile_n: int | None = None, piece: int | No
                       out_dtype=jnp.float32) -> np.ndarray:
     from pallas_kernels import mosaic_gemm
 
-    cfg = mosaic_gemm.MosaicConfig(tile_n=tile_n, stages=3 if tile_n == 256 else 4)
+    cfg = mosaic_gemm.MosaicConfig().with_tile_n(tile_n)
     return np.asarray(mosaic_gemm.scaled_grouped_matmul_tn(
         xq[0], yq[0], layout.sizes, x_scale=xq[1], y_scale=yq[1], out_dtype=out_dtype,
         cfg=cfg, piece=piece).astype(jnp.float32))
@@ -137,9 +137,9 @@ def test_mosaic_fp8_wgrad_gpu(p, q, sizes, piece, tile_n):
 
     xq, yq, layout = _wgrad_operands(p, q, sizes, seed=p + q + len(sizes) + tile_n)
     blocks = layout.length // 128
-    cfg = mosaic_gemm.MosaicConfig(tile_n=tile_n, stages=3 if tile_n == 256 else 4)
-    planned = mosaic_gemm.wgrad_plan(cfg, len(sizes), p,
-                                     q, blocks, mosaic_common.sm_count())[1]
+    cfg = mosaic_gemm.MosaicConfig().with_tile_n(tile_n)
+    planned = mosaic_gemm.wgrad_plan(cfg, len(sizes), p, q, blocks,
+                                     mosaic_common.sm_count())[1]
     cut = (piece or planned) < blocks
     if sizes.sum() > 8000:  # the dense long-K case cuts its tokens
         assert cut
