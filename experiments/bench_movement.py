@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import pallas_kernels as pk
+from pallas_kernels import mosaic_common
+from pallas_kernels import mosaic_movement as mm
 from pallas_kernels import movement_reference as ref
 from pallas_kernels import triton_movement as tm
 from pallas_kernels.quantize import TILE, cdiv
@@ -157,6 +159,10 @@ def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
     kern = lambda name: functools.partial(getattr(tm, name), interpret=interpret)  # noqa: E731
     fp8_fits = tm.offsets_fit((n, hidden), jnp.float8_e4m3fn) or tm.packs_fp8(n, hidden)
     scale_bytes = n * cdiv(hidden, TILE) * 4
+    transpose_floor = 3 * tokens * hidden + hidden * cdiv(tokens, TILE) * 4
+    # The library's kernel for the plain layout: streamed through TMA on a Hopper.
+    streamed = (mm.quantize_along_tokens if not interpret and mosaic_common.available()
+                and mm.applies((tokens, hidden), jnp.bfloat16) else None)
     ops = [  # name, floor bytes, kernel, XLA, inputs, check, kernel runs here
         ("sort_by_expert (vs argsort+bincount)", 8 * n + 4 * experts,
          lambda ids: pk.sort_by_expert(ids, experts), argsort_sort, ("ids",), "bitwise", True),
@@ -170,13 +176,18 @@ def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
          kern("combine"), ref.combine, ("y", "perm", "w"), "rel", True),
         ("combine (bwd: dy, dweights)", 2 * tokens * hidden + 4 * n * hidden + 12 * n,
          kern("combine_backward"), reference_combine_vjp, ("g", "y", "perm", "w"), "rel", True),
-        ("quantize_along_tokens (x^T, 1x128)", 3 * tokens * hidden + hidden * cdiv(tokens, TILE) * 4,
-         kern("quantize_along_tokens"), ref.quantize_along_tokens, ("x",), "bitwise", True),
+        ("quantize_along_tokens (x^T, 1x128)", transpose_floor,
+         streamed or kern("quantize_along_tokens"), ref.quantize_along_tokens, ("x",),
+         "bitwise", True),
         ("quantize_along_tokens from fp8 (FP8 x -> x^T)",
          2 * tokens * hidden + (tokens * cdiv(hidden, TILE) + hidden * cdiv(tokens, TILE)) * 4,
          lambda q, s: kern("quantize_along_tokens")(q, None, s),
          lambda q, s: ref.quantize_along_tokens(q, None, s), ("xq", "xs"), "bitwise", True),
     ]
+    if streamed:  # the Triton kernel it replaces, side by side
+        ops.append(("quantize_along_tokens (Triton kernel)", transpose_floor,
+                    kern("quantize_along_tokens"), ref.quantize_along_tokens, ("x",),
+                    "bitwise", True))
     rows = []
     for name, floor, kernel, xla, names, check, runs in ops:
         if only not in name:

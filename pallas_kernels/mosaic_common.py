@@ -28,10 +28,15 @@ def cuda_compute_capability() -> float | None:
         return None
 
 
+def jax_version() -> tuple[int, int]:
+    """(major, minor) of the running jax: Mosaic GPU's Pallas API moves between them."""
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def available() -> bool:
     """True on a Hopper GPU with a jax whose Mosaic GPU Pallas has what this kernel uses."""
-    return (cuda_compute_capability() == 9.0
-            and tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11))
+    return cuda_compute_capability() == 9.0 and jax_version() >= (0, 11)
 
 
 INTERPRETED_SMS = 3  # persistent CTAs when interpreted: fewer than the tiles of a test
@@ -55,8 +60,7 @@ def _interpret_params():
 
 def persistent_call(body, out_type, *operands, name: str, interpret: bool = False):
     """``body`` on a persistent grid (one CTA per SM) of one TMA producer and two consumer
-    warpgroups, on ``operands``. ``name`` is what profiles call the kernel (Mosaic GPU takes
-    it from the body's ``__name__``, which a ``functools.partial`` lacks).
+    warpgroups, on ``operands``. ``name`` is what profiles call the kernel (`named`).
 
     ``interpret``: run on the CPU under Mosaic GPU's interpreter, on `INTERPRETED_SMS`
     CTAs, to test a kernel's logic without a GPU. jax 0.10's interpreter runs the
@@ -70,12 +74,8 @@ def persistent_call(body, out_type, *operands, name: str, interpret: bool = Fals
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    def named(*refs):
-        return body(*refs)
-
-    named.__name__ = named.__qualname__ = name
     call = plgpu.kernel(
-        named,
+        named(body, name),
         out_type=out_type,
         grid=(INTERPRETED_SMS if interpret else sm_count(),),
         grid_names=("sm",),
@@ -86,6 +86,16 @@ def persistent_call(body, out_type, *operands, name: str, interpret: bool = Fals
         interpret=_interpret_params() if interpret else None,
     )
     return mark_varying(call(*operands), varying_union(operands))
+
+
+def named(body, name: str):
+    """body under `name`, which profiles then call its kernel: Mosaic GPU takes the name
+    from the body's ``__name__``, which a ``functools.partial`` lacks."""
+    def call(*refs):
+        return body(*refs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 TMA_MULTIPLE = 64  # elements: a 128-byte swizzle row of 2-byte values (32 4-byte, 8 rows)

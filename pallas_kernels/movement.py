@@ -5,7 +5,9 @@ the SwiGLU output for the down projection).
 
 The sort itself is index math on T*k int32 keys, shared by every backend; the passes over
 the (T*k, H) data run on the backend chosen in `backend.py` (Triton kernels, the same
-kernels interpreted, or the pure-JAX reference in `movement_reference.py`).
+kernels interpreted, or the pure-JAX reference in `movement_reference.py`); on the
+"mosaic" backend the plain-layout quantize_along_tokens streams through TMA instead
+(`mosaic_movement.py`).
 
 Differentiation: the BF16 dispatch's backward is the inverse permutation with the k copies
 summed (a combine with unit weights); combine's backward is a weighted dispatch of the
@@ -20,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import movement_reference, triton_movement
+from pallas_kernels import mosaic_movement, movement_reference, triton_movement
 from pallas_kernels.backend import backend
 from pallas_kernels.group_schedule import AlignedLayout
 from pallas_kernels.quantize import (TILE, as_residual, cdiv, dequantize, from_residual,
@@ -180,6 +182,9 @@ def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None,
     if scale is not None and scale.shape != (x.shape[0], cdiv(x.shape[1], TILE)):
         raise ValueError(f"quantize_along_tokens wants scale (M, ceil(K/128)) for x "
                          f"{x.shape}, got {scale.shape}")
+    if (backend() == "mosaic" and layout is None and scale is None
+            and mosaic_movement.applies(x.shape, x.dtype)):
+        return mosaic_movement.quantize_along_tokens(x)
     shapes = ((x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn))
     return _impl("quantize_along_tokens", *shapes)(x, layout, scale)
 

@@ -1,11 +1,14 @@
 """Token-movement ops (dispatch, combine, transposed quantization) against independent
 references: NumPy index math, `quantize_1x128`, float64 sums, jax.grad of the pure-JAX
-reference. CPU runs the kernels in Pallas interpret mode; `-m gpu` runs them as Triton.
+reference. CPU runs the kernels in Pallas interpret mode; `-m gpu` runs them as Triton,
+and the streamed Mosaic GPU quantize_along_tokens on a Hopper.
 
 Fresh random inputs per check; kernel outputs start as NaN (interpret mode's fill, or an
 explicit poisoned buffer) so an unwritten element fails the comparison.
 """
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import movement, movement_reference as ref, triton_movement as tm
+from pallas_kernels import mosaic_common, movement, movement_reference as ref
+from pallas_kernels import mosaic_movement as mm, triton_movement as tm
 from pallas_kernels.group_schedule import aligned_layout, gather_aligned
 
 SMALL = tm.MoveConfig(block_rows=16, block_cols=256)  # tiles smaller than every T, H below
@@ -413,6 +417,48 @@ def test_triton_kernels_lower_for_cuda(op):
     assert text.count("xla.gpu.triton") == 1 + inverted
 
 
+@pytest.mark.parametrize("field,value,allowed", [("block_cols", 96, "64 or 128"),
+                                                 ("steps", 6, "multiple of 4"),
+                                                 ("depth", 1, "[2, steps=8]")])
+def test_stream_config_names_a_bad_field(field, value, allowed):
+    with pytest.raises(ValueError, match=rf"{field}={value}: .*{re.escape(allowed)}"):
+        mm.StreamConfig(**{field: value})
+
+
+@pytest.mark.parametrize("tokens,steps", [(4096, 8), (1536, 4), (512, 4), (640, None),
+                                          (4000, None)])
+def test_stream_config_takes_the_most_steps_that_tile_the_tokens(tokens, steps):
+    cfg = mm.StreamConfig().for_tokens(tokens)
+    assert (cfg and cfg.steps) == steps
+    if cfg:
+        assert (tokens // 128) % cfg.steps == 0 and cfg.depth <= cfg.steps
+
+
+@pytest.mark.parametrize("shape,dtype,takes", [
+    ((4096, 2048), jnp.bfloat16, True), ((512, 64), jnp.float16, True),
+    ((4096, 2048), jnp.float32, False),  # the register transpose shuffles 16-bit pairs
+    ((4096, 2000), jnp.bfloat16, False), ((4000, 2048), jnp.bfloat16, False),
+    ((4096,), jnp.bfloat16, False)])
+def test_streamed_quantize_along_tokens_says_what_it_takes(shape, dtype, takes):
+    assert mm.applies(shape, dtype) == takes
+    if not takes and len(shape) == 2:
+        with pytest.raises(ValueError, match=re.escape(f"got {shape}")):
+            mm.quantize_along_tokens(jnp.zeros(shape, dtype))
+
+
+@pytest.mark.parametrize("shape,cfg", [((4096, 2048), mm.StreamConfig()),
+                                       ((1536, 384), mm.StreamConfig(block_cols=128, depth=4))])
+def test_streamed_quantize_along_tokens_lowers_for_cuda(shape, cfg):
+    """Traced and lowered for a GPU on the CPU (register layouts, the TMA pipeline)."""
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    lowered = jax.jit(lambda x: mm.quantize_along_tokens(x, cfg=cfg)).trace(x).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    q, s = lowered.out_info
+    assert (q.shape, q.dtype, s.shape) == ((shape[1], shape[0]), jnp.float8_e4m3fn,
+                                           (shape[1], shape[0] // 128))
+
+
 # ---- on a GPU: the Triton kernels at model shapes -------------------------------------
 
 @pytest.mark.parametrize("tokens,hidden,k,experts", [(1000, 7168, 8, 256), (777, 2048, 6, 64)])
@@ -513,3 +559,54 @@ def test_gpu_swiglu_quantize_tracks_xla():
     with pk.use_backend("triton"):
         q, s = jax.jit(pk.swiglu_quantize)(gate, up)
     _check_swiglu_quantized(q, s, gate, up, exact=False)
+
+
+_MOSAIC = pytest.mark.skipif(not mosaic_common.available(),
+                             reason="the streamed kernel needs a Hopper GPU and jax >= 0.11")
+
+
+@pytest.mark.gpu
+@_MOSAIC
+@pytest.mark.parametrize("tokens,hidden,cfg", [(4096, 2048, mm.StreamConfig()),
+                                               (1536, 192, mm.StreamConfig()),
+                                               (1024, 384, mm.StreamConfig(block_cols=128))])
+def test_gpu_streamed_quantize_along_tokens_is_bitwise_the_reference(tokens, hidden, cfg):
+    """The TMA-streamed kernel is quantize_1x128 of x.T bit for bit, special tiles included
+    (a 1e4x outlier, tiny values, the smallest normal, all-equal, all-zero, inf, NaN). Its
+    buffers first hold another input's results, so an unwritten tile would show."""
+    rng = np.random.default_rng(tokens + hidden)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3
+    x[0, 7], x[300, 20] = 3e4, -3e4
+    x[128:256, 21] *= 1e-30
+    x[:128, 22] = 1.2e-38
+    x[256:384, 23] = 2.5
+    x[384:512, 24] = 0.0
+    x[4, 9], x[70, 25] = np.inf, -np.inf
+    x[5, 11], x[200, 26] = np.nan, np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    run = jax.jit(lambda x: mm.quantize_along_tokens(x, cfg=cfg))
+    jax.block_until_ready(run(x[::-1] * 2))
+    q, s = run(x)
+    want_q, want_s = jax.jit(ref.quantize_along_tokens)(x)
+    _fp8_bits_match(q, want_q)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
+
+
+@pytest.mark.gpu
+@_MOSAIC
+def test_gpu_public_quantize_along_tokens_streams_where_the_kernel_applies():
+    """The mosaic backend runs the streamed kernel for the plain layout, Triton for an
+    aligned layout, FP8 input or a shape it does not take; all equal the reference."""
+    rng = np.random.default_rng(24)
+    x = jnp.asarray(rng.standard_normal((1024, 256)), jnp.bfloat16)
+    layout = aligned_layout(jnp.asarray([300, 0, 724], jnp.int32), 1024)
+    xq, xs = jax.jit(pk.quantize_1x128)(x)
+    cases = [((x,), "mosaic_gpu"), ((x, layout), "triton"), ((xq, None, xs), "triton"),
+             ((x[:1000],), "triton")]
+    with pk.use_backend("mosaic"):
+        for args, kernel in cases:
+            call = jax.jit(pk.quantize_along_tokens)
+            assert kernel in call.trace(*args).lower().as_text()
+            got, want = call(*args), jax.jit(ref.quantize_along_tokens)(*args)
+            _fp8_bits_match(got[0], want[0])
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
