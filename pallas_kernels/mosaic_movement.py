@@ -40,8 +40,9 @@ SCALE_STEPS = 4  # 128-token tiles per 16-byte row of FP32 scales (the TMA minim
 class StreamConfig:
     """block_cols: columns of x per CTA (64: one 128-byte swizzle row of 16-bit values;
     128: two). steps: 128-token tiles per CTA, a multiple of `SCALE_STEPS`. depth: ring
-    slots (loads in flight per CTA). The default was the fastest or within 1% of it on
-    every shape of bench_movement on an H100 (docs/performance.md, session 24)."""
+    slots (loads in flight per CTA). On an H100 the default was the fastest config tried at
+    T = 4096 and within 2.5% of the fastest at the larger shapes (docs/performance.md,
+    session 24)."""
 
     block_cols: int = 64
     steps: int = 8
