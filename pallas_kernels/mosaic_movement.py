@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.mosaic_common import jax_version, named
-from pallas_kernels.quantize import FP8, FP8_MAX, TILE
+from pallas_kernels.quantize import FP8, TILE, amax_from_bits, scale_from_amax
 from pallas_kernels.varying import mark_varying, varying_union
 
 SWIZZLE = 128  # bytes: one BF16 tile row of 64 columns, one FP8 row of 128 tokens
@@ -61,8 +61,8 @@ class StreamConfig:
     def for_tokens(self, tokens: int) -> StreamConfig | None:
         """This config with the most steps up to `steps` that tile `tokens` exactly (a
         multiple of SCALE_STEPS), or None where no such step count exists."""
-        tiles, steps = divmod(tokens, TILE)
-        if steps:
+        tiles, rest = divmod(tokens, TILE)
+        if rest:
             return None
         fitting = [s for s in range(self.steps, 0, -SCALE_STEPS) if tiles % s == 0]
         if not fitting:
@@ -104,9 +104,7 @@ def _quantize_columns(x_smem) -> tuple[jax.Array, jax.Array]:
 
     xt = _load(x_smem.T, plgpu.Layout.WGMMA_TRANSPOSED)
     v = plgpu.layout_cast(xt, plgpu.Layout.WGMMA).astype(jnp.float32)
-    bits = lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
-    amax = lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)
-    scale = jnp.where(amax == 0, 1.0, amax / FP8_MAX)
+    scale = scale_from_amax(amax_from_bits(v, 1))
     return (v / lax.broadcast_in_dim(scale, v.shape, [0])).astype(FP8), scale
 
 

@@ -25,10 +25,19 @@ def _pad_to_tiles(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     return jnp.pad(x, pad)
 
 
-def _scale_from_amax(amax: jax.Array) -> jax.Array:
-    # An all-zero tile gets scale 1 (any value dequantizes zeros exactly); NaN/inf
-    # stay non-finite so they propagate into the product instead of vanishing.
+def scale_from_amax(amax: jax.Array) -> jax.Array:
+    """The FP32 scale of a tile with this amax. An all-zero tile gets scale 1 (any value
+    dequantizes zeros exactly); NaN/inf stay non-finite so they propagate into the
+    product instead of vanishing."""
     return jnp.where(amax == 0, 1.0, amax / FP8_MAX).astype(jnp.float32)
+
+
+def amax_from_bits(v: jax.Array, axis: int) -> jax.Array:
+    """max |v| along `axis` of FP32 v, for kernels: an integer max over the bits with the
+    sign cleared, two instructions an element. NaN patterns sort above inf, so a NaN
+    gives NaN as jnp.max does (Triton's float max would drop it)."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
+    return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
 
 
 def _to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -40,7 +49,7 @@ def quantize_1x128(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x (M, K) -> (x_fp8 (M, K), scale (M, ceil(K/128))); x ~= x_fp8 * scale per tile."""
     m, k = x.shape
     xp = _pad_to_tiles(x.astype(jnp.float32), (1,)).reshape(m, -1, TILE)
-    scale = _scale_from_amax(jnp.max(jnp.abs(xp), axis=-1))
+    scale = scale_from_amax(jnp.max(jnp.abs(xp), axis=-1))
     q = _to_fp8(xp, scale[..., None]).reshape(m, -1)[:, :k]
     return q, scale
 
@@ -53,7 +62,7 @@ def quantize_128x128(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     wp = _pad_to_tiles(w.astype(jnp.float32), (0, 1))
     nb, kb = wp.shape[0] // TILE, wp.shape[1] // TILE
     blocks = wp.reshape(nb, TILE, kb, TILE)
-    scale = _scale_from_amax(jnp.max(jnp.abs(blocks), axis=(1, 3)))
+    scale = scale_from_amax(jnp.max(jnp.abs(blocks), axis=(1, 3)))
     q = _to_fp8(blocks, scale[:, None, :, None]).reshape(nb * TILE, kb * TILE)[:n, :k]
     return q, scale
 

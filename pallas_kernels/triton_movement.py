@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.group_schedule import AlignedLayout
-from pallas_kernels.quantize import FP8, FP8_MAX, TILE, cdiv
+from pallas_kernels.quantize import FP8, FP8_MAX, TILE, amax_from_bits, cdiv, scale_from_amax
 from pallas_kernels.triton_gemm import _compiler_params, _out_shape
 
 
@@ -96,16 +96,13 @@ def _quantize_rows(v: jax.Array, saturating: bool) -> tuple[jax.Array, jax.Array
     """FP8 values and FP32 scales of a (rows, 128) tile, one scale per row (masked-out
     elements must be 0), bit-identical to quantize_1x128.
 
-    amax is an integer max over the bits with the sign cleared: NaN patterns sort above
-    inf, so a NaN in a row makes its scale NaN as jnp.max does (Triton's float max would
-    drop it), in two instructions per element. `saturating`: the FP8 cast clamps to +-448
+    amax comes from the bits (`amax_from_bits`), so a NaN in a row makes its scale NaN.
+    `saturating`: the FP8 cast clamps to +-448
     itself (compiled Triton on a GPU; the module docstring says why), so the clamp, four
     instructions per element, is left out.
     """
     v = v.astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
-    amax = jax.lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)[:, None]
-    scale = jnp.where(amax == 0, 1.0, amax / FP8_MAX)
+    scale = scale_from_amax(amax_from_bits(v, 1)[:, None])
     y = v / scale
     if not saturating:
         y = jnp.where(y > FP8_MAX, FP8_MAX, jnp.where(y < -FP8_MAX, -FP8_MAX, y))  # keeps NaN
