@@ -1,4 +1,5 @@
-"""Shared test set-up: 8 simulated CPU devices, and `gpu`-marked tests only on a GPU.
+"""Shared test set-up: 8 simulated CPU devices, `gpu`-marked tests only on a GPU, and
+`mosaic`-marked ones only where the Mosaic GPU kernels run (a Hopper, jax >= 0.11).
 
 Without a GPU, XLA:CPU's LLVM backend also runs unoptimised: the suite is mostly compile
 time (sharded train steps, pipeline executors on tiny shapes), which this cuts by a sixth;
@@ -19,9 +20,13 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if jax.default_backend() == "gpu":
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
+    from pallas_kernels import mosaic_common
+
+    on_gpu, mosaic = jax.default_backend() == "gpu", mosaic_common.available()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
+    skip_mosaic = pytest.mark.skip(reason="needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if not on_gpu and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        if not mosaic and item.get_closest_marker("mosaic"):
+            item.add_marker(skip_mosaic)

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import mosaic_common
 from pallas_kernels import triton_gemm as tg
 from pallas_kernels.group_schedule import aligned_layout
 from pallas_kernels.quantize import dequantize
@@ -41,10 +40,7 @@ def test_fp8_gemm_gpu(m, n, k):
     assert _rel(out, ref) <= 1e-3
 
 
-needs_mosaic = pytest.mark.skipif(not mosaic_common.available(), reason="needs sm_90, jax>=0.11")
-
-
-@needs_mosaic
+@pytest.mark.mosaic
 @pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("m,n,k,sizes", [
     (1300, 2112, 1024, SIZES),  # uneven groups incl. 0/1/127/129 rows, 43 zero rows, N % 128
@@ -74,7 +70,7 @@ def test_mosaic_fp8_grouped_gemm_gpu(m, n, k, sizes, tile_n):
     assert np.all(out[ends[-1]:] == 0)
 
 
-@needs_mosaic
+@pytest.mark.mosaic
 def test_mosaic_fp8_gemm_nan_propagates_gpu():
     m, n, k = 256, 256, 256
     ks = jax.random.split(jax.random.key(11), 3)
@@ -120,7 +116,7 @@ SKEWED_64 = (lambda r: r.multinomial(4000, r.dirichlet(np.full(64, 0.3))))(
     np.random.default_rng(0)).astype(np.int32)
 
 
-@needs_mosaic
+@pytest.mark.mosaic
 @pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("p,q,sizes,piece", [
     (320, 200, SIZES, None),  # groups of 0/1/127/129 rows; P and Q off the 128 grid
@@ -152,7 +148,7 @@ def test_mosaic_fp8_wgrad_gpu(p, q, sizes, piece, tile_n):
         np.testing.assert_array_equal(bf16, out.astype(jnp.bfloat16).astype(np.float32))
 
 
-@needs_mosaic
+@pytest.mark.mosaic
 def test_mosaic_fp8_wgrad_nan_stays_in_its_group_gpu():
     """A NaN in group 2's first token reaches only group 2's gradient, though group 1's
     single tile is run as a whole ring turn whose extra steps read group 2's tiles."""
@@ -162,7 +158,7 @@ def test_mosaic_fp8_wgrad_nan_stays_in_its_group_gpu():
     assert np.all(np.isfinite(np.delete(out[2], 5, axis=0)))
 
 
-@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=needs_mosaic)])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=pytest.mark.mosaic)])
 def test_fp8_grouped_linear_grads_gpu(backend):
     m, n, k = 1300, 256, 512
     ks = jax.random.split(jax.random.key(7), 3)
@@ -180,7 +176,7 @@ def test_fp8_grouped_linear_grads_gpu(backend):
     assert _rel(got[0], want[0]) <= 1e-2 and _rel(got[1], want[1]) <= 1e-2
 
 
-@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=needs_mosaic)])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=pytest.mark.mosaic)])
 @pytest.mark.parametrize("m,k,n,sizes", [
     (1300, 512, 384, SIZES),  # uneven groups incl. 0/1/127/129 rows; 128-wide column tiles
     (1300, 704, 704, SIZES),  # partial last tiles of N (fprop) and of P and Q (wgrad)
@@ -214,7 +210,7 @@ def test_grouped_gemm_gpu_grads(backend, m, k, n, sizes, b_dtype):
     assert np.all(np.asarray(db)[sizes == 0] == 0)
 
 
-@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=needs_mosaic)])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=pytest.mark.mosaic)])
 def test_grouped_gemm_nan_stays_in_its_group_gpu(backend):
     m, k, n = 1300, 256, 256
     ks = jax.random.split(jax.random.key(5), 3)

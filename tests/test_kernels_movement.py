@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import mosaic_common, movement, movement_reference as ref
+from pallas_kernels import movement, movement_reference as ref
 from pallas_kernels import mosaic_movement as mm, triton_movement as tm
 from pallas_kernels.group_schedule import aligned_layout, gather_aligned
 
@@ -575,12 +575,8 @@ def test_gpu_swiglu_quantize_tracks_xla():
     _check_swiglu_quantized(q, s, gate, up, exact=False)
 
 
-_MOSAIC = pytest.mark.skipif(not mosaic_common.available(),
-                             reason="the streamed kernel needs a Hopper GPU and jax >= 0.11")
-
-
 @pytest.mark.gpu
-@_MOSAIC
+@pytest.mark.mosaic
 @pytest.mark.parametrize("tokens,hidden,cfg", [(4096, 2048, mm.StreamConfig()),
                                                (1536, 192, mm.StreamConfig()),
                                                (1024, 384, mm.StreamConfig(block_cols=128))])
@@ -607,7 +603,7 @@ def test_gpu_streamed_quantize_along_tokens_is_bitwise_the_reference(tokens, hid
 
 
 @pytest.mark.gpu
-@_MOSAIC
+@pytest.mark.mosaic
 def test_gpu_public_quantize_along_tokens_streams_where_the_kernel_applies():
     """The mosaic backend runs the streamed kernel for the plain layout, Triton for an
     aligned layout, FP8 input or a shape it does not take; all equal the reference."""
