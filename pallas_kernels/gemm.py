@@ -66,8 +66,21 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Arra
     if a.ndim != 2 or b.ndim != 3 or a.shape[1] != b.shape[1]:
         raise ValueError(f"grouped_gemm wants a (M, K), b (G, K, N); got {a.shape}, {b.shape}")
     _expect("group_sizes", group_sizes, (b.shape[0],))
-    return ops().grouped_matmul(a, b.astype(a.dtype), group_sizes.astype(jnp.int32),
-                                b_kn=True, out_dtype=a.dtype)
+    out = ops().grouped_matmul(a, b.astype(a.dtype), group_sizes.astype(jnp.int32),
+                               b_kn=True, out_dtype=a.dtype)
+    return _unclonable(out)
+
+
+def _unclonable(out: jax.Array) -> jax.Array:
+    """``out`` behind an optimization barrier, so that XLA cannot clone the kernel call.
+
+    Why: in a layer loop the output is both read by the layer and kept as a residual,
+    written into its layer-stack slot. XLA's GPU dynamic-slice fusion (jax 0.11) then
+    emits the custom call twice, once into the slot and once for the reader: every
+    forward expert GEMM of the `small` BF16 step ran twice (33 extra ~270 us calls a
+    step). Behind the barrier the slot write is a copy, a third of the GEMM's time
+    (docs/performance.md, session 26)."""
+    return jax.lax.optimization_barrier(out)
 
 
 def _grouped_gemm_fwd(a, b, group_sizes):
