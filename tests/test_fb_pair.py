@@ -59,7 +59,8 @@ def _references(i: Inputs):
     """A's forward through the model's blocks (the expert-parallel layer), and B's VJP."""
     def reference(stack, h):
         cos, sin = rope_tables(i.config, jnp.arange(SEQ)[None, :])
-        out = run_stack(nnx.merge(i.graphdef, stack.params), h, cos, sin, stack.biases, "none")
+        out = run_stack(nnx.merge(i.graphdef, stack.params), h, cos, sin, stack.biases, "none",
+                        False)
         return (out.h, out.stats.balance_loss), out.stats
 
     (ref_h, _), ref_stats = jax.jit(reference)(i.stack, i.h_a)

@@ -1,6 +1,7 @@
 """layer_scan means lax.scan: values and gradients equal, on fresh random inputs, for every
 remat policy; its backward keeps the weights and layer-invariant values unstacked."""
 
+import functools
 import re
 
 import jax
@@ -44,11 +45,14 @@ def _lax_scan(step, carry, xs, consts):
     return jax.lax.scan(lambda c, x: step(c, x, consts), carry, xs)
 
 
+@pytest.mark.parametrize("unroll", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_layer_scan_matches_lax_scan(policy):
+def test_layer_scan_matches_lax_scan(policy, unroll):
     step = with_policy(_step, policy)
-    got = _loss_and_grads(ls.layer_scan, step, seed=len(policy))
-    want = _loss_and_grads(_lax_scan, step, seed=len(policy))
+    # As run_stack calls it: unrolled, the backward is fenced where the policy recomputes.
+    scan = functools.partial(ls.layer_scan, unroll=unroll, recomputes=policy != "none")
+    got = _loss_and_grads(scan, step, seed=len(policy) + unroll)
+    want = _loss_and_grads(_lax_scan, step, seed=len(policy) + unroll)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert np.any(np.asarray(jax.tree.leaves(got[1])[-1]) != 0)  # the constants' gradient
@@ -56,13 +60,34 @@ def test_layer_scan_matches_lax_scan(policy):
 
 def test_backward_keeps_the_weights_and_invariants_unstacked():
     h0, w, b, c = _inputs(7)
-    (_, _), res = ls._scan_fwd(_step, h0, (w, b), c)
+    (_, _), res = ls._scan_fwd(_step, h0, (w, b), c, False, True)
     stacked = {tuple(s.shape) for s in res.stacks}
     assert all(s[0] == LAYERS for s in stacked)
     assert w.shape not in stacked and b.shape not in stacked  # read from xs, not copied
     # sin(consts) and its derivative: one copy each, not one per layer.
     assert res.once and all(o.size == WIDTH for o in res.once)
     assert {kind for kind, _ in res.plan.sources} >= {"stack", "x", "once"}
+
+
+def test_unrolled_backward_keeps_each_layers_residuals_apart():
+    """With ``unroll`` a residual is a tuple of per-layer arrays (no stack to copy into),
+    the values of the stacked layout's slots, and the program holds no
+    dynamic-update-slice of a residual stack."""
+    h0, w, b, c = _inputs(8)
+    _, stacked = ls._scan_fwd(_step, h0, (w, b), c, False, True)
+    _, apart = ls._scan_fwd(_step, h0, (w, b), c, True, True)
+    assert len(apart.stacks) == len(stacked.stacks)
+    for layers, stack in zip(apart.stacks, stacked.stacks):
+        assert isinstance(layers, tuple) and len(layers) == LAYERS
+        np.testing.assert_allclose(np.stack(layers), stack, rtol=1e-5, atol=1e-6)
+
+    def forward(unroll):
+        fwd = lambda h0, w: ls._scan_fwd(_step, h0, (w, b), c, unroll, True)  # noqa: E731
+        return str(jax.make_jaxpr(fwd)(h0, w))
+
+    residual_stack_write = f"f32[{LAYERS},{BATCH},{WIDTH}]"
+    assert "dynamic_update_slice" in forward(False) and residual_stack_write in forward(False)
+    assert residual_stack_write not in forward(True)
 
 
 def test_layer_scan_rejects_ragged_layer_axes():

@@ -9,7 +9,7 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals' data
 
 from moejax.config import ConfigError, get_model_preset
-from moejax.memory.remat import NORM_OUTPUT, recomputable, with_policy
+from moejax.memory.remat import NORM_OUTPUT, POLICIES, recomputable, with_policy
 from moejax.model import DeepseekV3
 from moejax.model.routing import router_logits
 from moejax.precision import Precision
@@ -17,15 +17,23 @@ from moejax.precision import Precision
 CONFIG = get_model_preset("tiny").replace(num_hidden_layers=3)
 
 
-def _loss_and_grads(remat):
-    model = DeepseekV3(CONFIG, rngs=nnx.Rngs(4), dtype=jnp.float32, remat=remat)
+def _compiled_loss_and_grads(remat, unroll=False):
+    """The jitted loss-and-gradients of the model under ``remat``, compiled, and its input."""
+    model = DeepseekV3(CONFIG, rngs=nnx.Rngs(4), dtype=jnp.float32, remat=remat,
+                       unroll_layers=unroll)
     ids = jax.random.randint(jax.random.key(5), (2, 16), 0, CONFIG.vocab_size)
+    graphdef, params = nnx.split(model)
 
-    def loss(m):
-        out = m.forward(ids)
+    def loss(p):
+        out = nnx.merge(graphdef, p).forward(ids)
         return jnp.mean(jax.nn.logsumexp(out.logits, -1)) + out.aux_loss
 
-    value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
+    return jax.jit(jax.value_and_grad(loss)).lower(params).compile(), params
+
+
+def _loss_and_grads(remat, unroll=False):
+    compiled, params = _compiled_loss_and_grads(remat, unroll)
+    value, grads = compiled(params)
     return value, nnx.to_flat_state(grads)
 
 
@@ -61,6 +69,25 @@ def test_remat_is_bitwise_identical_to_none(remat):
     assert np.asarray(value).tobytes() == np.asarray(ref_value).tobytes()
     for (path, a), (_, b) in zip(grads, ref_grads):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+
+
+def test_unrolled_layers_recompute_and_match_the_scanned_step():
+    """Unrolled, all layers' forward and backward are one program, where XLA's CSE would
+    merge a recompute into the forward it replays (``with_policy`` leaves ``prevent_cse``
+    off). ``layer_scan`` fences each layer's backward, so the optimized program still
+    recomputes under full (it holds more RMSNorm rsqrts than under none), and loss and
+    gradients match the scanned step's."""
+    ref_value, ref_grads = _loss_and_grads("none")
+    rsqrts = {}
+    for remat in POLICIES:
+        compiled, params = _compiled_loss_and_grads(remat, unroll=True)
+        rsqrts[remat] = compiled.as_text().count("rsqrt(")
+        value, grads = compiled(params)
+        np.testing.assert_allclose(np.asarray(value), np.asarray(ref_value), rtol=1e-6)
+        for (path, a), (_, b) in zip(nnx.to_flat_state(grads), ref_grads):
+            np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-5,
+                                       atol=1e-6, err_msg=str(path))
+    assert rsqrts["full"] > rsqrts["none"]
 
 
 def test_policies_keep_less():

@@ -31,6 +31,8 @@ def test_overrides_are_parsed_by_field_type_and_validated():
     ("checkpoint.async_save=maybe", r"expected a value of type bool"),
     ("train.attention=flash",
      r"train.attention='flash': must be one of \['auto', 'xla', 'cudnn'\]"),
+    ("train.layer_loop=unroll",
+     r"train.layer_loop='unroll': must be one of \['auto', 'scan', 'unrolled'\]"),
 ])
 def test_bad_overrides_name_field_value_and_rule(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -77,3 +79,24 @@ def test_cudnn_attention_is_refused_in_float32(monkeypatch):
         apply_overrides(auto, ["train.compute_dtype=float32"]).train) == "xla"
     assert step.attention_implementation(
         apply_overrides(auto, ["train.compute_dtype=bfloat16"]).train) == "cudnn"
+
+
+def test_layer_loop_auto_unrolls_on_a_gpu_only(monkeypatch):
+    """"auto" unrolls the layers on a GPU (the faster step) and scans elsewhere (the shorter
+    compile); "scan" and "unrolled" are taken as asked; the model is built accordingly."""
+    import jax
+
+    from moejax.train import step
+
+    tiny = get_experiment_preset("tiny")
+    loop = lambda value: apply_overrides(tiny, [f"train.layer_loop={value}"]).train  # noqa: E731
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert [step.layers_unrolled(loop(v)) for v in ("auto", "scan", "unrolled")] == [
+        False, False, True]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert [step.layers_unrolled(loop(v)) for v in ("auto", "scan", "unrolled")] == [
+        True, False, True]
+    monkeypatch.undo()
+    model = step.build_model(apply_overrides(tiny, ["train.layer_loop=unrolled"]),
+                             jax.random.key(0))
+    assert model.unroll_layers

@@ -30,13 +30,26 @@ from jax.extend import core as jex_core
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]  # (carry, x, consts) -> (carry, y)
 
 
-def layer_scan(step: Step, carry: Any, xs: Any, consts: Any) -> tuple[Any, Any]:
+def layer_scan(step: Step, carry: Any, xs: Any, consts: Any, *,
+               unroll: bool = False, recomputes: bool = True) -> tuple[Any, Any]:
     """``step`` over the leading axis of ``xs``: returns the last carry and the stacked ys.
     ``step`` must not close over traced values (pass them in ``consts``). Narrower than
     ``lax.scan``: reverse mode only (a custom VJP: ``jax.jvp`` refuses it), at least one
-    layer, and the cotangents of every input are computed (XLA drops the unused ones)."""
+    layer, and the cotangents of every input are computed (XLA drops the unused ones).
+
+    ``unroll``: the differentiated forward and backward run one layer after another in
+    the program (compile time grows with depth), and each layer's residuals stay separate
+    arrays, never written into or read out of a stack. On the GPU those stack copies cost
+    several milliseconds a step wherever a residual's producer or consumer is a kernel
+    XLA cannot fuse with the slot (docs/performance.md, session 27).
+
+    ``recomputes``: whether ``step``'s pullback recomputes forward values (a remat policy
+    that does not keep everything). Unrolled, such a layer's backward is fenced so that XLA
+    neither merges the recompute into the forward nor runs it early. Where there is
+    nothing to recompute the fence only costs (about 3% of the FP8 `small` step), so
+    ``False`` leaves it out."""
     _length(xs)
-    return _scan(step, carry, xs, consts)
+    return _scan(step, carry, xs, consts, unroll, recomputes)
 
 
 def _length(xs: Any) -> int:
@@ -50,11 +63,22 @@ def _length(xs: Any) -> int:
     return length
 
 
-def _index(tree: Any, i: jax.Array) -> Any:
+def _index(tree: Any, i: jax.Array | int) -> Any:
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def _stack_into(stacks: Any, values: Any, i: jax.Array) -> Any:
+def _layer_loop(length: int, body: Callable[[Any, Any], Any], state: Any,
+                unroll: bool) -> Any:
+    """``lax.fori_loop(0, length, body, state)``; with ``unroll``, the same as a Python
+    loop whose index is a static int."""
+    if not unroll:
+        return lax.fori_loop(0, length, body, state)
+    for i in range(length):
+        state = body(i, state)
+    return state
+
+
+def _stack_into(stacks: Any, values: Any, i: jax.Array | int) -> Any:
     """``values`` written into slot ``i`` of the matching ``stacks`` (same tree)."""
     return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), stacks, values)
 
@@ -160,14 +184,17 @@ def _check_types(values: list[Any], avals: list[Any]) -> list[Any]:
     return values
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scan(step: Step, carry: Any, xs: Any, consts: Any) -> tuple[Any, Any]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+def _scan(step: Step, carry: Any, xs: Any, consts: Any, unroll: bool,
+          recomputes: bool) -> tuple[Any, Any]:
+    del unroll, recomputes  # undifferentiated (evaluation): one compiled layer is enough
     return lax.scan(lambda c, x: step(c, x, consts), carry, xs)
 
 
 class _Residuals:
-    """What backward reads: the stacks, the inputs they point into, the residuals kept
-    once, and (static, in the pytree's aux data) the plan and the ys' types."""
+    """What backward reads: the stacks (each a (length, ...) array, or with ``unroll`` a
+    tuple of the layers' arrays), the inputs they point into, the residuals kept once, and
+    (static, in the pytree's aux data) the plan and the ys' types."""
 
     def __init__(self, plan: _Plan, y_avals: Any, stacks: list, xs: Any, consts: Any,
                  once: list, fixed: list) -> None:
@@ -181,7 +208,9 @@ jax.tree_util.register_pytree_node(
     lambda aux, children: _Residuals(*aux, *children))
 
 
-def _scan_fwd(step: Step, carry: Any, xs: Any, consts: Any) -> tuple[tuple[Any, Any], Any]:
+def _scan_fwd(step: Step, carry: Any, xs: Any, consts: Any, unroll: bool,
+              recomputes: bool) -> tuple[tuple[Any, Any], Any]:
+    del recomputes  # a backward matter
     length = _length(xs)
     x_avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
     probe = _probe(step, carry, x_avals, consts)
@@ -193,29 +222,39 @@ def _scan_fwd(step: Step, carry: Any, xs: Any, consts: Any) -> tuple[tuple[Any, 
         carry, stacks, ys = state
         (carry, y), leaves, _ = _layer_vjp(step, carry, _index(xs, i), consts)
         stacked = _check_types(_kept(probe.plan, leaves, "stack"), probe.stacked_avals)
-        return carry, _stack_into(stacks, stacked, i), _stack_into(ys, y, i)
+        stacks = ([kept + (v,) for kept, v in zip(stacks, stacked)] if unroll else
+                  _stack_into(stacks, stacked, i))
+        return carry, stacks, _stack_into(ys, y, i)
 
-    carry, stacks, ys = lax.fori_loop(0, length, body, (
-        carry, _empty_stacks(length, probe.stacked_avals), _empty_stacks(length, probe.y_avals)))
+    stacks = ([() for _ in probe.stacked_avals] if unroll else
+              _empty_stacks(length, probe.stacked_avals))
+    carry, stacks, ys = _layer_loop(length, body, (
+        carry, stacks, _empty_stacks(length, probe.y_avals)), unroll)
     fixed = [jnp.asarray(v) for v in probe.fixed]
     return (carry, ys), _Residuals(probe.plan, probe.y_avals, stacks, xs, consts, once, fixed)
 
 
-def _layer_cotangent(ct_ys: Any, y_avals: Any, i: jax.Array) -> Any:
+def _layer_cotangent(ct_ys: Any, y_avals: Any, i: jax.Array | int) -> Any:
     return jax.tree.map(
         lambda ct, aval: (lax.dynamic_index_in_dim(ct, i, 0, keepdims=False)
                           if _differentiable(aval.dtype) else _zero_cotangent(aval)),
         ct_ys, y_avals)
 
 
-def _rebuild_vjp(res: _Residuals, i: jax.Array, x: Any):
-    pools = {"stack": _index(res.stacks, i), "x": jax.tree.leaves(x),
+def _layer_slot(stack: jax.Array | tuple[jax.Array, ...], i: jax.Array | int) -> jax.Array:
+    return stack[i] if isinstance(stack, tuple) else _index(stack, i)
+
+
+def _rebuild_vjp(res: _Residuals, kept: list[jax.Array], x: Any):
+    """One layer's pullback from its ``kept`` stack residuals and input slice ``x``."""
+    pools = {"stack": kept, "x": jax.tree.leaves(x),
              "const": jax.tree.leaves(res.consts), "once": res.once, "fixed": res.fixed}
     return jax.tree.unflatten(res.plan.treedef,
                               [pools[kind][n] for kind, n in res.plan.sources])
 
 
-def _scan_bwd(step: Step, res: _Residuals, cts: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+def _scan_bwd(step: Step, unroll: bool, recomputes: bool, res: _Residuals,
+              cts: tuple[Any, Any]) -> tuple[Any, Any, Any]:
     del step  # the residuals carry the layer's pullback
     ct_carry, ct_ys = cts
     length = _length(res.xs)
@@ -227,7 +266,14 @@ def _scan_bwd(step: Step, res: _Residuals, cts: tuple[Any, Any]) -> tuple[Any, A
     def body(j, state):
         ct_carry, dx_stacks, dconsts = state
         i = length - 1 - j
-        vjp = _rebuild_vjp(res, i, _index(res.xs, i))
+        kept = [_layer_slot(stack, i) for stack in res.stacks]
+        if unroll and recomputes:
+            # One program holds every layer's forward and backward: without this fence XLA
+            # may merge a recompute into the forward it replays (the remat policy then
+            # saves nothing) or hoist it ahead of the layers after it. Tied to the carry's
+            # cotangent, a layer's recompute waits for its turn in backward.
+            kept, ct_carry = lax.optimization_barrier((kept, ct_carry))
+        vjp = _rebuild_vjp(res, kept, _index(res.xs, i))
         ct_carry, dx, dc = vjp((ct_carry, _layer_cotangent(ct_ys, res.y_avals, i)))
         dx = [v for v, d in zip(jax.tree.leaves(dx), x_diff) if d]
         dc = [v for v, d in zip(jax.tree.leaves(dc), const_diff) if d]
@@ -236,8 +282,8 @@ def _scan_bwd(step: Step, res: _Residuals, cts: tuple[Any, Any]) -> tuple[Any, A
     dx_avals = [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
                 for leaf, d in zip(x_leaves, x_diff) if d]
     dconsts = [jnp.zeros_like(leaf) for leaf, d in zip(const_leaves, const_diff) if d]
-    ct_carry, dx_stacks, dconsts = lax.fori_loop(
-        0, length, body, (ct_carry, _empty_stacks(length, dx_avals), dconsts))
+    ct_carry, dx_stacks, dconsts = _layer_loop(
+        length, body, (ct_carry, _empty_stacks(length, dx_avals), dconsts), unroll)
     dx_iter, dc_iter = iter(dx_stacks), iter(dconsts)
     dxs = x_tree.unflatten([next(dx_iter) if d else _zero_cotangent(leaf)
                             for leaf, d in zip(x_leaves, x_diff)])

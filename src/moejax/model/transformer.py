@@ -2,7 +2,8 @@
 
 Blocks of one kind (dense, then MoE) are stacked along a leading layer axis and run with
 ``layer_scan`` (``lax.scan``'s meaning, without zero-filled residual stacks): one compiled
-block per kind whatever the depth, and a layer axis that a pipeline mesh axis can shard.
+block per kind whatever the depth, or (``unroll_layers``) one per layer, which compiles
+longer and runs faster on a GPU; either way a layer axis that a pipeline mesh axis can shard.
 The aux-loss-free router biases of every MoE block (main blocks first, then the MTP
 blocks) live in one non-trainable (R, E) array.
 """
@@ -72,9 +73,9 @@ def _stacked_blocks(count: int, make: Callable[[nnx.Rngs], DecoderBlock],
 
 
 def run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array,
-               biases: jax.Array, remat: str) -> BlockOutput:
-    """Scans h through the stacked blocks (each under the ``remat`` policy); returns the
-    per-block routing stats stacked."""
+              biases: jax.Array, remat: str, unroll: bool) -> BlockOutput:
+    """Runs h through the stacked blocks (each under the ``remat`` policy; ``unroll``: see
+    ``layer_scan``); returns the per-block routing stats stacked."""
     graphdef, state = nnx.split(stack)
 
     def step(carry: jax.Array, xs: tuple, rope: tuple) -> tuple[jax.Array, RoutingStats]:
@@ -82,7 +83,8 @@ def run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array,
         out = nnx.merge(graphdef, block_state)(carry, *rope, bias)
         return out.h, out.stats
 
-    h, per_block = layer_scan(with_policy(step, remat), h, (state, biases), (cos, sin))
+    h, per_block = layer_scan(with_policy(step, remat), h, (state, biases), (cos, sin),
+                              unroll=unroll, recomputes=remat != "none")
     return BlockOutput(h, per_block)
 
 
@@ -114,15 +116,18 @@ class MTPModule(nnx.Module):
 class DeepseekV3(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.bfloat16,
                  param_dtype: jnp.dtype = jnp.float32, remat: str = "none",
-                 precision: Precision = Precision.BF16, attention: str = "xla") -> None:
+                 precision: Precision = Precision.BF16, attention: str = "xla",
+                 unroll_layers: bool = False) -> None:
         """``remat``: the recompute policy of every block (``moejax.memory.remat``);
+        ``unroll_layers``: differentiate the block stacks one layer after another
+        (``layer_scan``'s ``unroll``), not in a loop;
         ``precision``: the GEMM precision of the blocks' attention and MLP linears
         (``moejax.precision``). The embedding, head and MTP input projection stay BF16.
         ``attention``: the softmax core's implementation (``attention.MLAttention``)."""
         c = config
         if remat not in POLICIES:
             raise ConfigError(f"remat={remat!r}: must be one of {POLICIES}")
-        self.remat = remat
+        self.remat, self.unroll_layers = remat, unroll_layers
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.config = config
         self.dtype = dtype
@@ -189,10 +194,11 @@ class DeepseekV3(nnx.Module):
         rows: list[RoutingStats] = []  # per MoE block, each with a leading block axis
         if self.dense_blocks is not None:
             no_bias = jnp.zeros((c.first_k_dense_replace, c.n_routed_experts), jnp.float32)
-            h = run_stack(self.dense_blocks, h, cos, sin, no_bias, self.remat).h
+            h = run_stack(self.dense_blocks, h, cos, sin, no_bias, self.remat,
+                          self.unroll_layers).h
         if self.moe_blocks is not None:
             h, stats = run_stack(self.moe_blocks, h, cos, sin, biases[:c.num_moe_layers],
-                                  self.remat)
+                                 self.remat, self.unroll_layers)
             rows.append(stats)
 
         mtp_normed = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 

@@ -8,7 +8,6 @@ replicated.
 
 from __future__ import annotations
 
-import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 

@@ -53,11 +53,21 @@ def attention_implementation(train: TrainConfig) -> str:
     return choice
 
 
+def layers_unrolled(train: TrainConfig) -> bool:
+    """``train.layer_loop`` resolved for this process: "auto" unrolls on a GPU, where the
+    scanned loop's residual-stack copies cost 13% of the `small` step (docs/performance.md,
+    session 27), and scans elsewhere, where compile time matters more."""
+    if train.layer_loop == "auto":
+        return jax.default_backend() == "gpu"
+    return train.layer_loop == "unrolled"
+
+
 def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
     return DeepseekV3(cfg.model, rngs=nnx.Rngs(params=key),
                       dtype=jnp.dtype(cfg.train.compute_dtype), param_dtype=jnp.float32,
                       remat=cfg.train.remat, precision=Precision(cfg.train.precision),
-                      attention=attention_implementation(cfg.train))
+                      attention=attention_implementation(cfg.train),
+                      unroll_layers=layers_unrolled(cfg.train))
 
 
 def state_initializer(cfg: ExperimentConfig, pipe: int | None = None

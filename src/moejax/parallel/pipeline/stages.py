@@ -121,7 +121,7 @@ def stage_front(shape: StageShape, rows: StageRows, model: DeepseekV3, h: jax.Ar
     if shape.dense:
         no_bias = jnp.zeros((shape.dense, model.config.n_routed_experts), jnp.float32)
         h = run_stack(_rows(model.dense_blocks, rows.dense, shape.dense), h, *_rope(model, tokens),
-                      no_bias, model.remat).h
+                      no_bias, model.remat, model.unroll_layers).h
     return h
 
 
@@ -185,7 +185,8 @@ def stage_forward(shape: StageShape, rows: StageRows, model: DeepseekV3, h: jax.
     stats = None
     if shape.moe:
         blocks, biases = stage_moe_blocks(shape, rows, model)
-        h, per_block = run_stack(blocks, h, *_rope(model, tokens), biases, model.remat)
+        h, per_block = run_stack(blocks, h, *_rope(model, tokens), biases, model.remat,
+                                 model.unroll_layers)
         stats = moe_stats(model, rows, per_block.counts, per_block.balance_loss,
                           per_block.dropped.sum(), per_block.cross_node.sum())
     h, back = stage_back(shape, model, h, tokens, mtp_lambda)
