@@ -61,7 +61,7 @@ from moejax.memory.remat import POLICIES as REMAT_POLICIES
 from moejax.precision import PRECISIONS
 from moejax.train.config import ExperimentConfig, apply_overrides, get_experiment_preset
 from moejax.train.flops import mfu, peak_flops, train_flops_per_token
-from moejax.train.step import (attention_implementation, layers_unrolled, make_eval_step,
+from moejax.train.step import (attention_implementation, layer_loop, make_eval_step,
                                make_train_step, state_initializer)
 
 LOSS_WINDOW = 20  # steps per mean in the loss comparison
@@ -476,8 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     tc = cfg.train
     print(f"preset {args.preset}: batch {tc.batch_size} x seq {tc.seq_len}, {args.steps} steps, "
           f"device {jax.devices()[0].device_kind}, remat {tc.remat}, "
-          f"attention {attention_implementation(tc)}, layers "
-          f"{'unrolled' if layers_unrolled(tc) else 'scanned'}", flush=True)
+          f"attention {attention_implementation(tc)}, layer loop {layer_loop(cfg)}", flush=True)
     if args.steps:
         runs, held_out = [], None
         for seed in range(tc.seed, tc.seed + args.seeds):

@@ -72,22 +72,28 @@ def test_remat_is_bitwise_identical_to_none(remat):
 
 
 def test_unrolled_layers_recompute_and_match_the_scanned_step():
-    """Unrolled, all layers' forward and backward are one program, where XLA's CSE would
-    merge a recompute into the forward it replays (``with_policy`` leaves ``prevent_cse``
-    off). ``layer_scan`` fences each layer's backward, so the optimized program still
-    recomputes under full (it holds more RMSNorm rsqrts than under none), and loss and
-    gradients match the scanned step's."""
-    ref_value, ref_grads = _loss_and_grads("none")
-    rsqrts = {}
+    """Unrolled, all layers' forward and backward are one program (no while loop), where
+    XLA's CSE would merge a recompute into the forward it replays (``with_policy`` leaves
+    ``prevent_cse`` off). ``layer_scan`` fences each layer's backward, so the optimized
+    program still re-gathers the dispatched token copies under selective and full (more
+    gathers than under none; without the fence, as many), and loss and gradients match the
+    scanned step's."""
+    scanned, params = _compiled_loss_and_grads("none")
+    assert "while(" in scanned.as_text()
+    ref_value, ref_grads = scanned(params)
+    ref_grads = nnx.to_flat_state(ref_grads)
+    gathers = {}
     for remat in POLICIES:
         compiled, params = _compiled_loss_and_grads(remat, unroll=True)
-        rsqrts[remat] = compiled.as_text().count("rsqrt(")
+        hlo = compiled.as_text()
+        assert "while(" not in hlo
+        gathers[remat] = hlo.count(" gather(")
         value, grads = compiled(params)
         np.testing.assert_allclose(np.asarray(value), np.asarray(ref_value), rtol=1e-6)
         for (path, a), (_, b) in zip(nnx.to_flat_state(grads), ref_grads):
             np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-5,
                                        atol=1e-6, err_msg=str(path))
-    assert rsqrts["full"] > rsqrts["none"]
+    assert gathers["selective"] > gathers["none"] and gathers["full"] > gathers["none"]
 
 
 def test_policies_keep_less():

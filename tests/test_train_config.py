@@ -81,21 +81,24 @@ def test_cudnn_attention_is_refused_in_float32(monkeypatch):
         apply_overrides(auto, ["train.compute_dtype=bfloat16"]).train) == "cudnn"
 
 
-def test_layer_loop_auto_unrolls_on_a_gpu_only(monkeypatch):
+def test_layer_loop_auto_unrolls_on_a_gpu_without_a_pipe_axis(monkeypatch):
     """"auto" unrolls the layers on a GPU (the faster step) and scans elsewhere (the shorter
-    compile); "scan" and "unrolled" are taken as asked; the model is built accordingly."""
+    compile) and under a pipeline; "scan" and "unrolled" are taken as asked; the model is
+    built accordingly."""
     import jax
 
     from moejax.train import step
 
     tiny = get_experiment_preset("tiny")
-    loop = lambda value: apply_overrides(tiny, [f"train.layer_loop={value}"]).train  # noqa: E731
+    def resolved(value, *more):
+        return step.layer_loop(apply_overrides(tiny, [f"train.layer_loop={value}", *more]))
+
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert [step.layers_unrolled(loop(v)) for v in ("auto", "scan", "unrolled")] == [
-        False, False, True]
+    assert [resolved(v) for v in ("auto", "scan", "unrolled")] == ["scan", "scan", "unrolled"]
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert [step.layers_unrolled(loop(v)) for v in ("auto", "scan", "unrolled")] == [
-        True, False, True]
+    assert [resolved(v) for v in ("auto", "scan", "unrolled")] == ["unrolled", "scan",
+                                                                   "unrolled"]
+    assert resolved("auto", "mesh.pipe=2", "mesh.data=1") == "scan"
     monkeypatch.undo()
     model = step.build_model(apply_overrides(tiny, ["train.layer_loop=unrolled"]),
                              jax.random.key(0))

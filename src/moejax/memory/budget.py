@@ -33,7 +33,7 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   XLA:CPU the reference grouped GEMM expands (rows, experts, hidden) one-hot products; the
   GPU kernels need none). Taken as independent of depth.
 - **ZeRO-3 gathered layer**: with ZeRO-3 over ``data`` > 1, XLA all-gathers one layer's
-  weights (FP32) inside the layer scan.
+  weights (FP32) inside the layer loop.
 - **communication buffers** of the expert-parallel exchange (``moejax.parallel.expert``)
   for one MoE layer: padded transport: send and receive buffers of ``ep * C`` rows
   (``C = T * min(k, E/ep)`` dropless, ``ceil(f * T * k / ep)`` with capacity factor f);

@@ -83,8 +83,10 @@ def run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array,
         out = nnx.merge(graphdef, block_state)(carry, *rope, bias)
         return out.h, out.stats
 
+    # Unrolled under none, XLA may keep what the recomputable ops would replay: that is
+    # what none asks for, and faster; the other policies fence their recomputes.
     h, per_block = layer_scan(with_policy(step, remat), h, (state, biases), (cos, sin),
-                              unroll=unroll, recomputes=remat != "none")
+                              unroll=unroll, fence_recompute=remat != "none")
     return BlockOutput(h, per_block)
 
 

@@ -26,8 +26,8 @@ from moejax.train.config import CheckpointConfig
 CONFIG_FILE = "config.json"
 # Settings that may differ between a run and its resumption: length, cadence, logging, and
 # the device layout (a checkpoint restores onto any mesh), the attention core, the layer
-# loop, and the GEMM precision (FP8 keeps no state of its own: FP32 master weights and optimizer state are the
-# same in both).
+# loop, and the GEMM precision (FP8 keeps no state of its own: FP32 master weights and
+# optimizer state are the same in both).
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                      "train.nonfinite", "train.peak_tflops", "train.zero_stage", "train.remat",
                      "train.precision", "train.attention", "train.layer_loop",

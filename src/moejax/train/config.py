@@ -73,8 +73,8 @@ class TrainConfig:
     # GPU, else xla: 1.30x the BF16 step and -16% memory on the small preset, H100)
     attention: str = "auto"
     # block stacks under autodiff: scan (one compiled layer) | unrolled (one per layer: no
-    # residual-stack copies, 0.87x the step time and -6% memory on the small preset, H100,
-    # for 1.4x the compile time) | auto (unrolled on a GPU, else scan)
+    # residual-stack copies; BF16 small preset on an H100: 0.87x the step time, -6% memory,
+    # a longer compile) | auto (unrolled on a GPU without a pipe axis, else scan)
     layer_loop: str = "auto"
     ema_decay: float | None = None  # host-memory EMA of the weights (moejax.memory.ema)
     # --mesh pipe=P > 1 only: the pipeline schedule and its micro-batch count (None: 2P)

@@ -36,7 +36,7 @@ from moejax.train.metrics import MetricsLog, progress_line
 from moejax.train.optimizer import make_optimizer
 from moejax.train.placement import train_state_shardings
 from moejax.train.step import (LossAndGrads, TrainState, attention_implementation,
-                               layers_unrolled, make_eval_step, make_train_step,
+                               layer_loop, make_eval_step, make_train_step,
                                state_initializer)
 
 
@@ -159,8 +159,8 @@ class Trainer:
                  f"process(es); ZeRO-{tc.zero_stage}; expert transport "
                  f"{cfg.expert_parallel.resolved_transport() if cfg.mesh.expert > 1 else 'none'}"
                  f" (tokens travel as {cfg.expert_parallel.token_format}); GEMMs "
-                 f"{tc.precision}, attention core {attention_implementation(tc)}, layers "
-                 f"{'unrolled' if layers_unrolled(tc) else 'scanned'}"
+                 f"{tc.precision}, attention core {attention_implementation(tc)}, layer loop "
+                 f"{layer_loop(cfg)}"
                  + (f"; pipeline {tc.pipeline_schedule} over {cfg.num_microbatches} "
                     "micro-batches" if cfg.mesh.pipe > 1 else ""))
         train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))

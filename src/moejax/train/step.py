@@ -53,13 +53,15 @@ def attention_implementation(train: TrainConfig) -> str:
     return choice
 
 
-def layers_unrolled(train: TrainConfig) -> bool:
-    """``train.layer_loop`` resolved for this process: "auto" unrolls on a GPU, where the
-    scanned loop's residual-stack copies cost 13% of the `small` step (docs/performance.md,
-    session 27), and scans elsewhere, where compile time matters more."""
-    if train.layer_loop == "auto":
-        return jax.default_backend() == "gpu"
-    return train.layer_loop == "unrolled"
+def layer_loop(cfg: ExperimentConfig) -> str:
+    """``train.layer_loop`` resolved for this process: "auto" is "unrolled" on a GPU without
+    a pipeline axis (the scanned loop's residual-stack copies cost 13% of the BF16 `small`
+    step there, docs/performance.md, session 27) and "scan" elsewhere: on a CPU compile
+    time matters more, and a pipeline compiles each stage's layers in every schedule branch
+    (unrolled there: not yet measured)."""
+    if cfg.train.layer_loop == "auto":
+        return "unrolled" if jax.default_backend() == "gpu" and cfg.mesh.pipe == 1 else "scan"
+    return cfg.train.layer_loop
 
 
 def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
@@ -67,7 +69,7 @@ def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
                       dtype=jnp.dtype(cfg.train.compute_dtype), param_dtype=jnp.float32,
                       remat=cfg.train.remat, precision=Precision(cfg.train.precision),
                       attention=attention_implementation(cfg.train),
-                      unroll_layers=layers_unrolled(cfg.train))
+                      unroll_layers=layer_loop(cfg) == "unrolled")
 
 
 def state_initializer(cfg: ExperimentConfig, pipe: int | None = None
