@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.memory.remat import POLICIES, with_policy
+from moejax.memory.remat import POLICIES, recomputes, with_policy
 from moejax.model import layer_scan as ls
 
 LAYERS, BATCH, WIDTH = 5, 4, 16
@@ -50,7 +50,7 @@ def _lax_scan(step, carry, xs, consts):
 def test_layer_scan_matches_lax_scan(policy, unroll):
     step = with_policy(_step, policy)
     # As run_stack calls it: unrolled, the backward is fenced where the policy recomputes.
-    scan = functools.partial(ls.layer_scan, unroll=unroll, fence_recompute=policy != "none")
+    scan = functools.partial(ls.layer_scan, unroll=unroll, fence_recompute=recomputes(policy))
     got = _loss_and_grads(scan, step, seed=len(policy) + unroll)
     want = _loss_and_grads(_lax_scan, step, seed=len(policy) + unroll)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -96,6 +96,13 @@ def recomputable(fn: F, name: str) -> F:
     return call  # type: ignore[return-value]
 
 
+def recomputes(policy: str) -> bool:
+    """Whether ``policy`` asks backward to recompute forward values rather than keep them
+    (every policy but ``none``): where it does, an unrolled ``layer_scan`` must fence the
+    recompute from XLA's CSE."""
+    return policy != "none"
+
+
 def with_policy(fn: F, policy: str) -> F:
     """``fn`` (one block's forward) under the named recompute policy. ``prevent_cse`` is
     off: ``layer_scan`` runs the forward and its recompute in separate loops, where XLA

@@ -244,10 +244,6 @@ def _layer_cotangent(ct_ys: Any, y_avals: Any, i: jax.Array | int) -> Any:
         ct_ys, y_avals)
 
 
-def _layer_slot(stack: jax.Array | tuple[jax.Array, ...], i: jax.Array | int) -> jax.Array:
-    return stack[i] if isinstance(stack, tuple) else _index(stack, i)
-
-
 def _rebuild_vjp(res: _Residuals, kept: list[jax.Array], x: Any):
     """One layer's pullback from its ``kept`` stack residuals and input slice ``x``."""
     pools = {"stack": kept, "x": jax.tree.leaves(x),
@@ -269,9 +265,12 @@ def _scan_bwd(step: Step, unroll: bool, fence_recompute: bool, res: _Residuals,
     def body(j, state):
         ct_carry, dx_stacks, dconsts = state
         i = length - 1 - j
-        kept = [_layer_slot(stack, i) for stack in res.stacks]
-        if unroll and fence_recompute:  # see layer_scan
-            kept, ct_carry = lax.optimization_barrier((kept, ct_carry))
+        if not unroll:
+            kept = _index(res.stacks, i)
+        elif fence_recompute:  # see layer_scan
+            kept, ct_carry = lax.optimization_barrier(([s[i] for s in res.stacks], ct_carry))
+        else:
+            kept = [s[i] for s in res.stacks]
         vjp = _rebuild_vjp(res, kept, _index(res.xs, i))
         ct_carry, dx, dc = vjp((ct_carry, _layer_cotangent(ct_ys, res.y_avals, i)))
         dx = [v for v, d in zip(jax.tree.leaves(dx), x_diff) if d]

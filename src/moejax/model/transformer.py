@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import ConfigError, ModelConfig
-from moejax.memory.remat import POLICIES, with_policy
+from moejax.memory.remat import POLICIES, recomputes, with_policy
 from moejax.model.decoder import BlockOutput, DecoderBlock
 from moejax.model.head_loss import head_cross_entropy
 from moejax.model.layer_scan import layer_scan
@@ -86,7 +86,7 @@ def run_stack(stack: DecoderBlock, h: jax.Array, cos: jax.Array, sin: jax.Array,
     # Unrolled under none, XLA may keep what the recomputable ops would replay: that is
     # what none asks for, and faster; the other policies fence their recomputes.
     h, per_block = layer_scan(with_policy(step, remat), h, (state, biases), (cos, sin),
-                              unroll=unroll, fence_recompute=remat != "none")
+                              unroll=unroll, fence_recompute=recomputes(remat))
     return BlockOutput(h, per_block)
 
 
