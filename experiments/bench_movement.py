@@ -282,11 +282,9 @@ def unfused_dispatch(x, experts, num_experts, quantize=False):
     return model_dispatch.Dispatched(rows, sizes, order)
 
 
-def unfused_combine(y, order, weights, keep_fp8=False):
-    """The reference combine under plain autodiff (its backward: XLA scatter-adds)."""
-    if keep_fp8:
-        raise ValueError("the unfused combine is the BF16 path: keep_fp8 must be False")
-    return ref.combine(y, order, weights)
+def unfused_sum_copies(y, order, k):
+    """The reference un-sort and sum under plain autodiff (its backward: XLA scatter-adds)."""
+    return ref.combine(y, order, jnp.ones((order.shape[0] // k, k), jnp.float32))
 
 
 def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
@@ -312,11 +310,13 @@ def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
 
     results = []
     for variant, attrs in (("fused", {}),
-                           ("unfused", dict(dispatch=unfused_dispatch, combine=unfused_combine))):
+                           ("unfused", dict(dispatch=unfused_dispatch, sum_copies=unfused_sum_copies))):
         with patched(moe, **attrs):
             full = make_step()
             t_full = per_call_seconds(full, [(x, router, weights)], repeats)
-            bare = make_step(lambda rows, sizes, w, rows_fp8: rows)  # identity experts: movement + router
+            # identity experts (rows weighted, as the experts weight them): movement + router
+            bare = make_step(lambda rows, sizes, w, rows_fp8, row_weights:
+                             rows * row_weights[:, None].astype(rows.dtype))
             t_bare = per_call_seconds(bare, [(x, router, weights)], repeats)
             split, top = None, None
             if profile_dir:

@@ -147,42 +147,57 @@ fp8_grouped_linear.defvjp(_grouped_fwd, _grouped_bwd)
 
 @jax.custom_vjp
 def fp8_swiglu_grouped_linear(gate: jax.Array, up: jax.Array, w: jax.Array,
-                              group_sizes: jax.Array) -> jax.Array:
-    """y[r] = SwiGLU(gate, up)[r] @ w[g], w (G, I, N): a SwiGLU MLP's down projection, with
-    SwiGLU in FP32 rounded to gate's dtype.
+                              group_sizes: jax.Array, row_weights: jax.Array | None = None
+                              ) -> jax.Array:
+    """y[r] = (SwiGLU(gate, up)[r] * row_weights[r]) @ w[g], w (G, I, N): a SwiGLU MLP's
+    down projection, with SwiGLU in FP32 rounded to gate's dtype; ``row_weights`` (M,)
+    FP32 (the router's weight of each expert row; None: 1) scale each row's input.
 
-    Forward makes the FP8 operand in one pass (``movement.swiglu_quantize``). Backward keeps
-    gate and up as FP8 copies (1x128 scales) and recomputes SwiGLU from them, instead of
-    keeping gate, up (BF16) and SwiGLU's FP8 copy: 2 bytes per intermediate element, not 5.
+    Forward makes the FP8 operand in one pass (``movement.swiglu_quantize``); a row's
+    weight multiplies its 1x128 scales, which is the quantization of the weighted row
+    (its tiles' FP8 values are the same). Backward keeps gate and up as FP8 copies (1x128
+    scales) and recomputes SwiGLU from them, instead of keeping gate, up (BF16) and
+    SwiGLU's FP8 copy: 2 bytes per intermediate element, not 5.
     """
-    return _swiglu_fwd(gate, up, w, group_sizes)[0]
+    return _swiglu_fwd(gate, up, w, group_sizes, row_weights)[0]
 
 
 def _swiglu(gate, up, dtype) -> jax.Array:
     return swiglu_fp32(gate, up).astype(dtype)
 
 
-def _swiglu_fwd(gate, up, w, group_sizes):
+def _swiglu_fwd(gate, up, w, group_sizes, row_weights):
     sizes = group_sizes.astype(jnp.int32)
     wq, wq_t = _quantized_weights(w)
-    y = _fprop(swiglu_quantize(gate, up), wq_t, sizes, gate.dtype)
+    hq, hs = swiglu_quantize(gate, up)
+    if row_weights is not None:
+        hs = hs * row_weights.astype(jnp.float32)[:, None]
+    y = _fprop((hq, hs), wq_t, sizes, gate.dtype)
     saved = (as_residual(quantize_1x128(gate)), as_residual(quantize_1x128(up)),
-             as_residual(wq), sizes, _dtype_marker(gate), _dtype_marker(w))
+             as_residual(wq), sizes, row_weights, _dtype_marker(gate), _dtype_marker(w))
     return y, saved
 
 
 def _swiglu_bwd(res, dy):
-    gate_q, up_q, wq, sizes, x_dtype, w_dtype = res
+    gate_q, up_q, wq, sizes, row_weights, x_dtype, w_dtype = res
     gate_q, up_q, wq = map(from_residual, (gate_q, up_q, wq))
     dtype = x_dtype.dtype
     gate, up = (dequantize(*q, row_tile=1) for q in (gate_q, up_q))  # FP32
     hidden, swiglu_vjp = jax.vjp(lambda g, u: _swiglu(g, u, dtype), gate, up)
+    d_hidden = _dgrad(dy, wq, sizes, dtype)
+    d_row_weights = None
+    if row_weights is not None:
+        weights = row_weights.astype(jnp.float32)[:, None]
+        d_row_weights = jnp.sum(d_hidden.astype(jnp.float32) * hidden.astype(jnp.float32),
+                                axis=1).astype(row_weights.dtype)
+        hidden = (hidden.astype(jnp.float32) * weights).astype(dtype)
+        d_hidden = (d_hidden.astype(jnp.float32) * weights).astype(dtype)
     # The recomputed SwiGLU is quantized along tokens straight from its BF16 value:
     # one rounding for wgrad here, unlike a plain FP8 linear's saved input.
     layout = aligned_layout(sizes, dy.shape[0])
     dw = _wgrad(dy, quantize_along_tokens(hidden, layout), layout, w_dtype.dtype)
-    d_gate, d_up = swiglu_vjp(_dgrad(dy, wq, sizes, dtype))
-    return d_gate.astype(dtype), d_up.astype(dtype), dw, None
+    d_gate, d_up = swiglu_vjp(d_hidden)
+    return d_gate.astype(dtype), d_up.astype(dtype), dw, None, d_row_weights
 
 
 fp8_swiglu_grouped_linear.defvjp(_swiglu_fwd, _swiglu_bwd)

@@ -241,8 +241,8 @@ def test_fp8_tokens_arrive_as_their_1x128_quantization(moe):
     x = x * jnp.exp(jax.random.normal(jax.random.key(5), (x.shape[-1],)))  # uneven columns
     weights = ExpertWeights(moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...])
 
-    def identity(rows, group_sizes, weights, rows_fp8):
-        return rows
+    def identity(rows, group_sizes, weights, rows_fp8, row_weights):  # weighted, as experts are
+        return rows * row_weights[:, None]
 
     with jax.set_mesh(_mesh(expert=8)), _fp8_options("padded"):
         y, _ = jax.jit(lambda a: expert_module.expert_parallel_moe(

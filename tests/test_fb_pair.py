@@ -124,14 +124,15 @@ def test_pair_equals_the_model_blocks(setup, order):
 
 def test_orders_agree_and_recompute_no_exchange(setup):
     """Same numbers in every order; each chunk's exchanges appear once in the program: the
-    forward's three all_to_alls (rows and expert ids out, rows back) per block, and the
-    backward's two (rows back, rows out) per block, none re-run by the pieces' remat."""
+    forward's four all_to_alls (rows, expert ids and router weights out, rows back) per
+    block, and the backward's three (rows back, rows and router weights' gradient out) per
+    block, none re-run by the pieces' remat."""
     *_, runs = setup
     sequential, _ = runs["sequential"]
     for order in ORDERS:
         result, text = runs[order]
         _close(result, sequential, 1e-6)
-        assert text.count(" all-to-all(") == 3 * 2 + 2 * 1
+        assert text.count(" all-to-all(") == 4 * 2 + 3 * 1
 
 
 def test_fp8_tokens_pair_equals_the_model_blocks_with_fp8_tokens():

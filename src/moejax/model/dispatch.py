@@ -22,8 +22,9 @@ from pallas_kernels.quantize import as_residual
 
 from moejax.memory.remat import DISPATCHED_TOKENS, recomputable
 
-# combine(y_sorted, order, weights[, keep_fp8]) -> (T, H): un-sort, weight, sum over k in FP32.
-combine = pallas_kernels.combine
+# sum_copies(y_sorted, order, k) -> (T, H): un-sort and sum each token's k rows in FP32 (the
+# rows arrive weighted by the router: ``sorted_weights`` goes into the experts).
+sum_copies = pallas_kernels.sum_copies
 
 
 class Dispatched(NamedTuple):
@@ -42,6 +43,12 @@ def _copies(x: jax.Array, order: jax.Array, k: int, quantize: bool) -> tuple[jax
     return (pallas_kernels.permute_rows(rows, order, k),
             as_residual(pallas_kernels.permute_quantized(jax.lax.stop_gradient(rows), order, k))
             if quantize else None)
+
+
+def sorted_weights(weights: jax.Array, order: jax.Array) -> jax.Array:
+    """The router weights (T, k) of the sorted copies, (T*k,): row j's is copy order[j]'s.
+    The experts weight their rows with them, so un-sorting only sums (``sum_copies``)."""
+    return pallas_kernels.permute_values(weights.reshape(-1), order)
 
 
 def dispatch(x: jax.Array, experts: jax.Array, num_experts: int,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import ModelConfig
-from moejax.model.dispatch import combine, dispatch
+from moejax.model.dispatch import dispatch, sorted_weights, sum_copies
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.layers import DenseMLP
 from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
@@ -33,15 +33,17 @@ def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
                          weights: ExpertWeights, config: ModelConfig,
                          run_experts: expert_parallel.RunExperts = grouped_swiglu,
                          precision: Precision = Precision.BF16) -> MoEOutput:
-    """Single-device routed experts: route, sort by expert, grouped FFN, un-sort, combine
-    (which keeps the expert outputs for backward in FP8 when ``precision`` is FP8)."""
+    """Single-device routed experts: route, sort by expert, grouped FFN weighting each row
+    by its router weight, un-sort and sum each token's copies."""
     batch, seq, hidden = x.shape
     logits = router_logits(x, router).reshape(batch * seq, -1)
     routing = route(logits, bias, config)
-    fp8 = precision is Precision.FP8
-    sent = dispatch(x, routing.experts, config.n_routed_experts, quantize=fp8)
-    y_sorted = run_experts(sent.tokens, sent.group_sizes, weights, sent.tokens_fp8)
-    y = combine(y_sorted, sent.order, routing.weights, fp8).reshape(batch, seq, hidden)
+    sent = dispatch(x, routing.experts, config.n_routed_experts,
+                    quantize=precision is Precision.FP8)
+    y_sorted = run_experts(sent.tokens, sent.group_sizes, weights, sent.tokens_fp8,
+                           sorted_weights(routing.weights, sent.order))
+    y = sum_copies(y_sorted, sent.order, config.num_experts_per_tok
+                   ).reshape(batch, seq, hidden)
     balance = balance_loss(routing, batch, config)
     no_copies = jnp.zeros((), jnp.int32)
     return MoEOutput(y, RoutingStats(sent.group_sizes, balance, no_copies, no_copies))
@@ -67,11 +69,13 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, bias: jax.Array) -> MoEOutput:
         weights = ExpertWeights(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
-        routed = (expert_parallel.expert_parallel_moe if expert_parallel.expert_axis_size() > 1
-                  else routed_experts_local)
         run_experts = functools.partial(grouped_swiglu, precision=self.precision)
-        y, stats = routed(x, self.router[...], bias, weights, self.config, run_experts,
-                          self.precision)
+        if expert_parallel.expert_axis_size() > 1:
+            y, stats = expert_parallel.expert_parallel_moe(x, self.router[...], bias, weights,
+                                                           self.config, run_experts)
+        else:
+            y, stats = routed_experts_local(x, self.router[...], bias, weights, self.config,
+                                            run_experts, self.precision)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return MoEOutput(y, stats)

@@ -34,10 +34,9 @@ import pallas_kernels
 from pallas_kernels.quantize import from_residual
 from pallas_kernels.varying import mark_varying
 from moejax.config import ConfigError, ModelConfig
-from moejax.model.dispatch import combine, dispatch
+from moejax.model.dispatch import dispatch, sorted_weights, sum_copies
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
-from moejax.precision import Precision
 
 EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", EXPERT_AXIS)  # mesh axes the token batch is sharded over
@@ -149,6 +148,14 @@ class _Transport:
     def send_back(self, y: jax.Array, context: tuple) -> jax.Array:
         return self.finish(self.exchange_back(self.unarrange(y, context), context), context)
 
+    def send_alongside(self, values: jax.Array, context: Any) -> jax.Array:
+        """Per-row values (rows,) of the sent rows, moved as ``send`` moved the rows
+        (``context``: the ``Received``'s): the receiver's, row for row with its tokens
+        (padding rows: 0). One more exchange of a column; autodiff returns its gradient."""
+        outbound = self.outbound_context(context)
+        moved, _ = self.exchange(self.lay_out(values[:, None], outbound), None, outbound)
+        return self.arrange_alongside(moved, context)[:, 0]
+
 
 @dataclasses.dataclass(frozen=True)
 class _Padded(_Transport):
@@ -170,20 +177,34 @@ class _Padded(_Transport):
         keep = slot < self.capacity
         size = self.ep * self.capacity
         index = jnp.where(keep, dest * self.capacity + slot, size)  # size: dropped
-        buffer = jnp.zeros((size, rows.shape[1]), rows.dtype).at[index].set(rows, mode="drop")
         ids = jnp.full((size,), num_local, jnp.int32).at[index].set(experts % num_local,
                                                                     mode="drop")
-        return Outbound(buffer, ids, (index, keep), rows.shape[0] - keep.sum(dtype=jnp.int32))
+        return Outbound(self.lay_out(rows, (index, keep)), ids, (index, keep),
+                        rows.shape[0] - keep.sum(dtype=jnp.int32))
 
-    def exchange(self, rows: jax.Array, labels: jax.Array, context: tuple
-                 ) -> tuple[jax.Array, jax.Array]:
-        return _all_to_all(rows), _all_to_all(labels)
+    def lay_out(self, rows: jax.Array, context: tuple) -> jax.Array:
+        """Rows (or per-row values, (rows, ...)) placed in the send buffer."""
+        index, _ = context
+        buffer = jnp.zeros((self.ep * self.capacity, *rows.shape[1:]), rows.dtype)
+        return buffer.at[index].set(rows, mode="drop")
+
+    def exchange(self, rows: jax.Array, labels: jax.Array | None, context: tuple
+                 ) -> tuple[jax.Array, jax.Array | None]:
+        return _all_to_all(rows), None if labels is None else _all_to_all(labels)
 
     def arrange(self, tokens: jax.Array, ids: jax.Array, context: tuple, dropped: jax.Array
                 ) -> Received:
         order = jnp.argsort(ids, stable=True)  # padding (id num_local) sorts last
         group_sizes = jnp.bincount(ids, length=self.num_local).astype(jnp.int32)
         return Received(tokens[order], group_sizes, (order, *context), dropped)
+
+    def arrange_alongside(self, values: jax.Array, context: tuple) -> jax.Array:
+        """Arrived per-row values in the order ``arrange`` gave their rows."""
+        return values[context[0]]
+
+    def outbound_context(self, context: tuple) -> tuple:
+        """The sender's ``prepare`` context, from the receiver's."""
+        return context[1:]
 
     def unarrange(self, y: jax.Array, context: tuple) -> jax.Array:
         return jnp.zeros_like(y).at[context[0]].set(y)
@@ -258,7 +279,7 @@ class _Ragged(_Transport):
 
     def exchange(self, rows: jax.Array, labels: None, plan: RaggedPlan
                  ) -> tuple[jax.Array, None]:
-        buffer = varying_over(jnp.zeros((self.recv_rows, rows.shape[1]), rows.dtype),
+        buffer = varying_over(jnp.zeros((self.recv_rows, *rows.shape[1:]), rows.dtype),
                               self.batch_axes)
         return jax.lax.ragged_all_to_all(rows, buffer, plan.send_offsets, plan.send_sizes,
                                          plan.land_offsets, plan.recv_sizes,
@@ -267,6 +288,15 @@ class _Ragged(_Transport):
     def arrange(self, tokens: jax.Array, labels: None, plan: RaggedPlan, dropped: jax.Array
                 ) -> Received:
         return Received(tokens, plan.group_sizes, plan, dropped)
+
+    def lay_out(self, rows: jax.Array, plan: RaggedPlan) -> jax.Array:
+        return rows  # sent as they are: sorted by expert
+
+    def arrange_alongside(self, values: jax.Array, plan: RaggedPlan) -> jax.Array:
+        return values  # they land grouped by expert
+
+    def outbound_context(self, plan: RaggedPlan) -> RaggedPlan:
+        return plan
 
     def unarrange(self, y: jax.Array, plan: RaggedPlan) -> jax.Array:
         return y
@@ -281,8 +311,9 @@ class _Ragged(_Transport):
         return back
 
 
-# (rows, group_sizes, weights, rows' FP8 quantization or None) -> expert outputs
-RunExperts = Callable[[jax.Array, jax.Array, ExpertWeights, Any], jax.Array]
+# (rows, group_sizes, weights, rows' FP8 quantization or None, rows' router weights)
+#   -> expert outputs, weighted
+RunExperts = Callable[[jax.Array, jax.Array, ExpertWeights, Any, jax.Array], jax.Array]
 Transport = _Padded | _Ragged
 
 
@@ -349,9 +380,8 @@ def _dispatch_fp8_bwd(transport, num_experts, num_experts_per_token, residuals, 
     del num_experts
     context, permutation = residuals
     rows = transport.send_back(cotangents[0].tokens, context)
-    # the sorted rows' gradient summed back onto their token: an unweighted combine
-    k = num_experts_per_token
-    return combine(rows, permutation, jnp.ones((rows.shape[0] // k, k), jnp.float32)), None
+    # the sorted rows' gradient summed back onto their token
+    return sum_copies(rows, permutation, num_experts_per_token), None
 
 
 _dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
@@ -415,7 +445,7 @@ def cross_node_copies(copies: jax.Array, num_local: int, mesh_shape: dict[str, i
 def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: ExpertWeights, *,
                 config: ModelConfig, ep: int, batch_axes: tuple[str, ...],
                 mesh_shape: dict[str, int], options: ExpertParallelOptions,
-                devices_per_node: int, run_experts: RunExperts, precision: Precision
+                devices_per_node: int, run_experts: RunExperts
                 ) -> tuple[jax.Array, RoutingStats]:
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
@@ -435,11 +465,12 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
         order, quantized = sent.order, None
         received = transport.send(sent.tokens, copies[order], sent.group_sizes)
     weights = varying_over(weights, tuple(a for a in batch_axes if a != EXPERT_AXIS))
+    row_weights = transport.send_alongside(sorted_weights(routing.weights, order),
+                                           received.context)
     y_rows = transport.send_back(
-        run_experts(received.tokens, received.group_sizes, weights, quantized),
+        run_experts(received.tokens, received.group_sizes, weights, quantized, row_weights),
         received.context)
-    y = combine(y_rows, order, routing.weights, precision is Precision.FP8
-                ).reshape(batch, seq, hidden)
+    y = sum_copies(y_rows, order, k).reshape(batch, seq, hidden)
 
     balance = balance_loss(routing, batch, config)
     cross_node = cross_node_copies(copies, num_local, mesh_shape, devices_per_node)
@@ -466,16 +497,15 @@ def expert_layout(config: ModelConfig, batch: int) -> tuple[int, tuple[str, ...]
 
 def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
                         weights: ExpertWeights, config: ModelConfig,
-                        run_experts: RunExperts = grouped_swiglu,
-                        precision: Precision = Precision.BF16
+                        run_experts: RunExperts = grouped_swiglu
                         ) -> tuple[jax.Array, RoutingStats]:
     """The routed part of a MoE layer with experts sharded over the mesh's ``expert`` axis.
 
-    ``run_experts(rows, group_sizes, weights, rows_fp8)`` maps the received rows (grouped by
-    local expert) to outputs; ``rows_fp8`` is their FP8 quantization as it travelled with
-    FP8 tokens (the FP8 expert GEMMs take it without re-rounding), else None;
-    benchmarks pass an identity to time the token exchange alone. ``precision``: FP8 keeps
-    the returned expert outputs for combine's backward in FP8 (``pallas_kernels.combine``).
+    ``run_experts(rows, group_sizes, weights, rows_fp8, row_weights)`` maps the received
+    rows (grouped by local expert) to their outputs weighted by ``row_weights`` (each
+    row's router weight, moved with the rows); ``rows_fp8`` is their FP8 quantization as
+    it travelled with FP8 tokens (the FP8 expert GEMMs take it without re-rounding), else
+    None; benchmarks pass an identity to time the token exchange alone.
     """
     mesh = jax.sharding.get_abstract_mesh()
     ep, batch_axes = expert_layout(config, x.shape[0])
@@ -483,7 +513,7 @@ def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
     body = functools.partial(
         _shard_body, config=config, ep=ep, batch_axes=batch_axes, mesh_shape=dict(mesh.shape),
         options=options, devices_per_node=options.devices_per_node or jax.local_device_count(),
-        run_experts=run_experts, precision=precision)
+        run_experts=run_experts)
     tokens = P(batch_axes)
     experts = ExpertWeights(P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS))
     return jax.shard_map(body, in_specs=(tokens, P(), P(), experts),

@@ -23,24 +23,37 @@ from moejax.precision.policy import Precision
 
 
 @jax.custom_vjp
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+def swiglu(gate: jax.Array, up: jax.Array, row_weights: jax.Array | None = None) -> jax.Array:
     """SiLU-gated linear unit, computed in FP32 and returned in the inputs' dtype; backward
-    keeps only the inputs."""
-    return tag(swiglu_fp32(gate, up).astype(gate.dtype), SWIGLU_OUTPUT)  # selective recomputes
+    keeps only the inputs. ``row_weights`` (rows,) scale each row (the router's weight
+    of an expert row: the MoE layer weights its experts' outputs here, inside the expert,
+    so that summing them keeps nothing for backward)."""
+    out = swiglu_fp32(gate, up)
+    if row_weights is not None:
+        out = out * _column(row_weights)
+    return tag(out.astype(gate.dtype), SWIGLU_OUTPUT)  # selective recomputes
 
 
-def _swiglu_fwd(gate, up):
-    return swiglu(gate, up), (gate, up)
+def _column(row_weights: jax.Array) -> jax.Array:
+    return row_weights.astype(jnp.float32)[:, None]
+
+
+def _swiglu_fwd(gate, up, row_weights):
+    return swiglu(gate, up, row_weights), (gate, up, row_weights)
 
 
 def _swiglu_bwd(residuals, g):
     """From the 16-bit inputs alone; JAX's own rule would keep the FP32 sigmoid, SiLU and
     upcasts of every expert row (five FP32 copies per MoE layer on the GPU)."""
-    gate, up = residuals
+    gate, up, row_weights = residuals
     gate32, up32, g32 = (t.astype(jnp.float32) for t in (gate, up, g))
     sig = jax.nn.sigmoid(gate32)
+    d_row_weights = None
+    if row_weights is not None:
+        d_row_weights = jnp.sum(g32 * gate32 * sig * up32, axis=1).astype(row_weights.dtype)
+        g32 = g32 * _column(row_weights)
     dgate = g32 * up32 * sig * (1 + gate32 * (1 - sig))
-    return dgate.astype(gate.dtype), (g32 * gate32 * sig).astype(up.dtype)
+    return dgate.astype(gate.dtype), (g32 * gate32 * sig).astype(up.dtype), d_row_weights
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -114,8 +127,10 @@ def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
 
 
 def grouped_swiglu_linear(gate: jax.Array, up: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                          precision: Precision) -> jax.Array:
-    """Row r of group g: ``swiglu(gate, up)[r] @ w[g]`` (the routed experts' down projection)."""
+                          precision: Precision, row_weights: jax.Array | None = None
+                          ) -> jax.Array:
+    """Row r of group g: ``swiglu(gate, up, row_weights)[r] @ w[g]`` (the routed experts'
+    down projection, each row weighted by its router weight where given)."""
     if precision is Precision.FP8:
-        return fp8_swiglu_grouped_linear(gate, up, w, group_sizes)
-    return grouped_linear(swiglu(gate, up), w, group_sizes, precision)
+        return fp8_swiglu_grouped_linear(gate, up, w, group_sizes, row_weights)
+    return grouped_linear(swiglu(gate, up, row_weights), w, group_sizes, precision)

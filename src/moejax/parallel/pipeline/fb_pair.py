@@ -7,12 +7,14 @@ Pieces. On one device (inside a ``shard_map`` manual over the batch axes ``data`
 
 ==========  =============================================================  =============
 attention   norm, MLA, residual, norm, router, top-k, local sort, the       compute
-            send layout (``Transport.prepare``)
-dispatch    the token exchange over ``expert`` (``Transport.exchange``)     communication
-experts     receiver-side sort, grouped SwiGLU GEMMs, un-sort; shared       compute
-            experts
+            send layout of the rows and their router weights
+            (``Transport.prepare``, ``lay_out``)
+dispatch    the token exchange over ``expert`` (``Transport.exchange``),    communication
+            the router weights' with it
+experts     receiver-side sort, grouped SwiGLU GEMMs (each row weighted     compute
+            by its router weight), un-sort; shared experts
 combine     the exchange back (``Transport.exchange_back``)                 communication
-residual    each token's k rows weighted and summed, residual add          compute (small)
+residual    each token's k rows summed, residual add                        compute (small)
 ==========  =============================================================  =============
 
 A chunk's forward runs them in order and keeps each piece's inputs (the residuals of its
@@ -80,7 +82,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import ModelConfig
 from moejax.model.decoder import DecoderBlock
-from moejax.model.dispatch import combine, dispatch
+from moejax.model.dispatch import dispatch, sorted_weights, sum_copies
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.rope import rope_tables
 from moejax.model.routing import balance_loss, route, router_logits
@@ -95,7 +97,6 @@ from moejax.parallel.expert import (
     varying_over,
 )
 from moejax.parallel.sharding import param_logical_axes
-from moejax.precision import Precision
 
 Values = dict[str, Any]  # float arrays a piece differentiates through
 Meta = dict[str, Any]  # routing decisions and layouts (integers): carried, not differentiated
@@ -132,7 +133,9 @@ def _attention(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, me
     sent = dispatch(flat, routing.experts, ctx.config.n_routed_experts)
     out = ctx.transport.prepare(sent.tokens, routing.experts.reshape(-1)[sent.order],
                                 sent.group_sizes)
-    return ({"h": h, "normed": normed, "weights": routing.weights, "rows": out.rows,
+    row_weights = ctx.transport.lay_out(sorted_weights(routing.weights, sent.order)[:, None],
+                                        out.context)
+    return ({"h": h, "normed": normed, "rows": out.rows, "row_weights": row_weights,
              # varying like the tokens even when it is a constant 0 (aux_loss_alpha=0)
              "balance": varying_over(balance_loss(routing, batch, ctx.config),
                                      ctx.batch_axes)},
@@ -147,7 +150,9 @@ def _dispatch(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, met
     exchange = (functools.partial(exchange_fp8, ctx.transport) if ctx.fp8_tokens
                 else ctx.transport.exchange)
     arrived, labels = exchange(x.pop("rows"), meta["labels"], meta["outbound"])
-    return {**x, "arrived": arrived}, {**meta, "labels": labels}
+    arrived_weights, _ = ctx.transport.exchange(x.pop("row_weights"), None, meta["outbound"])
+    return ({**x, "arrived": arrived, "arrived_weights": arrived_weights},
+            {**meta, "labels": labels})
 
 
 def _experts(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
@@ -157,8 +162,9 @@ def _experts(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta
                                      meta["dropped"])
     mlp = block.mlp
     weights = ExpertWeights(mlp.gate_proj[...], mlp.up_proj[...], mlp.down_proj[...])
+    row_weights = ctx.transport.arrange_alongside(x.pop("arrived_weights"), received.context)
     y = grouped_swiglu(received.tokens, received.group_sizes, weights,
-                       precision=mlp.precision)
+                       row_weights=row_weights[:, 0], precision=mlp.precision)
     normed = x.pop("normed")
     shared = None if mlp.shared_experts is None else mlp.shared_experts(normed)
     return ({**x, "rows": ctx.transport.unarrange(y, received.context), "shared": shared},
@@ -175,8 +181,7 @@ def _residual(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, met
               ) -> tuple[Values, Meta]:
     h = x["h"]
     rows = ctx.transport.finish(x["rows"], meta["inbound"])
-    y = combine(rows, meta["order"], x["weights"], block.mlp.precision is Precision.FP8
-                ).reshape(h.shape)
+    y = sum_copies(rows, meta["order"], ctx.config.num_experts_per_tok).reshape(h.shape)
     if x["shared"] is not None:
         y = y + x["shared"]
     return {"h": h + y, "balance": x["balance"]}, meta
