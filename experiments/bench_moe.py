@@ -47,7 +47,8 @@ from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.precision import PRECISIONS, Precision
 
 
-def _identity_experts(rows, group_sizes, weights, rows_fp8, row_weights):  # noqa: ARG001 - RunExperts
+def _identity_experts(rows, group_sizes, weights, rows_fp8,  # noqa: ARG001 - RunExperts
+                      row_weights):
     return rows
 
 

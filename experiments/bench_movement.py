@@ -309,8 +309,8 @@ def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
         return jax.jit(step)
 
     results = []
-    for variant, attrs in (("fused", {}),
-                           ("unfused", dict(dispatch=unfused_dispatch, sum_copies=unfused_sum_copies))):
+    unfused = dict(dispatch=unfused_dispatch, sum_copies=unfused_sum_copies)
+    for variant, attrs in (("fused", {}), ("unfused", unfused)):
         with patched(moe, **attrs):
             full = make_step()
             t_full = per_call_seconds(full, [(x, router, weights)], repeats)

@@ -4,8 +4,9 @@ Public API (layouts as in DeepGEMM: both operands K-major):
   quantize_1x128, quantize_128x128, fp8_gemm, fp8_grouped_gemm, grouped_gemm,
   fp8_linear, fp8_grouped_linear; backend(), set_backend(), use_backend().
 Token movement: dispatch, combine, sum_copies (combine's unit-weight form), permute_values,
-  quantize_along_tokens, sort_by_expert, permute_rows, permute_quantized; quantize_weights (an FP8 linear's weights in both layouts),
-  swiglu_quantize (SwiGLU and its 1x128 FP8 quantization in one pass).
+  quantize_along_tokens, sort_by_expert, permute_rows, permute_quantized; quantize_weights
+  (an FP8 linear's weights in both layouts), swiglu_quantize (SwiGLU and its 1x128 FP8
+  quantization in one pass).
 """
 from pallas_kernels.backend import BACKENDS, backend, set_backend, use_backend
 from pallas_kernels.fp8_linear import fp8_grouped_linear, fp8_linear

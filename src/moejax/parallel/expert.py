@@ -153,8 +153,16 @@ class _Transport:
         (``context``: the ``Received``'s): the receiver's, row for row with its tokens
         (padding rows: 0). One more exchange of a column; autodiff returns its gradient."""
         outbound = self.outbound_context(context)
-        moved, _ = self.exchange(self.lay_out(values[:, None], outbound), None, outbound)
-        return self.arrange_alongside(moved, context)[:, 0]
+        moved, _ = self.exchange(self.lay_out_values(values, outbound), None, outbound)
+        return self.arrange_values(moved, context)
+
+    def lay_out_values(self, values: jax.Array, outbound: Any) -> jax.Array:
+        """Per-row values (rows,) as a (buffer rows, 1) column laid out like the rows."""
+        return self.lay_out(values[:, None], outbound)
+
+    def arrange_values(self, column: jax.Array, context: Any) -> jax.Array:
+        """An arrived column of per-row values, (rows,) in the order of ``arrange``'s rows."""
+        return self.arrange_alongside(column, context)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ Pieces. On one device (inside a ``shard_map`` manual over the batch axes ``data`
 ==========  =============================================================  =============
 attention   norm, MLA, residual, norm, router, top-k, local sort, the       compute
             send layout of the rows and their router weights
-            (``Transport.prepare``, ``lay_out``)
+            (``Transport.prepare``, ``lay_out_values``)
 dispatch    the token exchange over ``expert`` (``Transport.exchange``),    communication
             the router weights' with it
 experts     receiver-side sort, grouped SwiGLU GEMMs (each row weighted     compute
@@ -133,8 +133,8 @@ def _attention(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, me
     sent = dispatch(flat, routing.experts, ctx.config.n_routed_experts)
     out = ctx.transport.prepare(sent.tokens, routing.experts.reshape(-1)[sent.order],
                                 sent.group_sizes)
-    row_weights = ctx.transport.lay_out(sorted_weights(routing.weights, sent.order)[:, None],
-                                        out.context)
+    row_weights = ctx.transport.lay_out_values(sorted_weights(routing.weights, sent.order),
+                                               out.context)
     return ({"h": h, "normed": normed, "rows": out.rows, "row_weights": row_weights,
              # varying like the tokens even when it is a constant 0 (aux_loss_alpha=0)
              "balance": varying_over(balance_loss(routing, batch, ctx.config),
@@ -162,9 +162,9 @@ def _experts(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta
                                      meta["dropped"])
     mlp = block.mlp
     weights = ExpertWeights(mlp.gate_proj[...], mlp.up_proj[...], mlp.down_proj[...])
-    row_weights = ctx.transport.arrange_alongside(x.pop("arrived_weights"), received.context)
+    row_weights = ctx.transport.arrange_values(x.pop("arrived_weights"), received.context)
     y = grouped_swiglu(received.tokens, received.group_sizes, weights,
-                       row_weights=row_weights[:, 0], precision=mlp.precision)
+                       row_weights=row_weights, precision=mlp.precision)
     normed = x.pop("normed")
     shared = None if mlp.shared_experts is None else mlp.shared_experts(normed)
     return ({**x, "rows": ctx.transport.unarrange(y, received.context), "shared": shared},
