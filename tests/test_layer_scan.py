@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jex_core
 
 from moejax.memory.remat import POLICIES, recomputes, with_policy
 from moejax.model import layer_scan as ls
@@ -88,6 +89,30 @@ def test_unrolled_backward_keeps_each_layers_residuals_apart():
     residual_stack_write = f"f32[{LAYERS},{BATCH},{WIDTH}]"
     assert "dynamic_update_slice" in forward(False) and residual_stack_write in forward(False)
     assert residual_stack_write not in forward(True)
+
+
+def _barrier_outputs(jaxpr) -> list[list[tuple[int, ...]]]:
+    """The output shapes of every optimization barrier in ``jaxpr`` and its sub-jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "optimization_barrier":
+            found.append([tuple(v.aval.shape) for v in eqn.outvars])
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            found += _barrier_outputs(sub)
+    return found
+
+
+@pytest.mark.parametrize("fence", [False, True])
+def test_unrolled_backward_hands_on_the_carry_with_the_weight_gradients(fence):
+    """Unrolled, each layer's backward releases the carry's cotangent only together with
+    its weight gradients, so the next layer cannot start before they are computed."""
+    h0, w, b, c = _inputs(9)
+    scan = functools.partial(ls.layer_scan, unroll=True, fence_recompute=fence)
+    loss = lambda h0, w, b, c: jnp.sum(scan(_step, h0, (w, b), c)[0] ** 2)  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(h0, w, b, c).jaxpr
+    handing_on = [shapes for shapes in _barrier_outputs(jaxpr)
+                  if {(BATCH, WIDTH), (WIDTH, WIDTH), (WIDTH,)} <= set(shapes)]
+    assert len(handing_on) == LAYERS
 
 
 def test_layer_scan_rejects_ragged_layer_axes():

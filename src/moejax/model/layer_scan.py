@@ -41,7 +41,13 @@ def layer_scan(step: Step, carry: Any, xs: Any, consts: Any, *,
     the program (compile time grows with depth), and each layer's residuals stay separate
     arrays, never written into or read out of a stack. On the GPU those stack copies cost
     several milliseconds a step wherever a residual's producer or consumer is a kernel
-    XLA cannot fuse with the slot (docs/performance.md, session 27).
+    XLA cannot fuse with the slot (docs/performance.md, session 27). Each layer's
+    backward hands the carry's cotangent on only together with its weight and constant
+    gradients (an optimization barrier): left free, XLA's scheduler put every layer's
+    weight gradients after the last layer's input gradient, keeping each layer's
+    recomputed and quantized GEMM operands alive till then (the selective FP8 `small`
+    step at seq 4096, batch 22: 72 GiB live, of which 37 GiB were those operands;
+    docs/performance.md, session 29).
 
     ``fence_recompute`` (unrolled only): each layer's backward starts from its kept
     activations and the carry's cotangent passed together through an optimization
@@ -275,6 +281,8 @@ def _scan_bwd(step: Step, unroll: bool, fence_recompute: bool, res: _Residuals,
         ct_carry, dx, dc = vjp((ct_carry, _layer_cotangent(ct_ys, res.y_avals, i)))
         dx = [v for v, d in zip(jax.tree.leaves(dx), x_diff) if d]
         dc = [v for v, d in zip(jax.tree.leaves(dc), const_diff) if d]
+        if unroll:  # see layer_scan: this layer's weight gradients before the next layer
+            ct_carry, dx, dc = lax.optimization_barrier((ct_carry, dx, dc))
         return ct_carry, _stack_into(dx_stacks, dx, i), [a + b for a, b in zip(dconsts, dc)]
 
     dx_avals = [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
