@@ -181,15 +181,19 @@ def _at_depth(cfg: ExperimentConfig, micro_batch: int, moe_layers: int) -> Exper
         mesh=MeshSpec(), train=dataclasses.replace(cfg.train, batch_size=micro_batch))
 
 
-def _compile_step(cfg: ExperimentConfig, autotune: bool = True) -> tuple[Any, TrainState]:
+def _compile_step(cfg: ExperimentConfig, autotune: bool = True, dump_to: str | None = None
+                  ) -> tuple[Any, TrainState]:
     """``memory_analysis()`` of the real one-device step, compiled (never run), and the
     abstract state it was compiled for. Without ``autotune`` XLA takes its default GEMM
     configs instead of timing candidates on the GPU: the same buffers but for GEMM
-    workspace, a faster compile (the fit search's probes)."""
+    workspace, a faster compile (the fit search's probes). ``dump_to``: a folder for XLA's
+    dumps of the step (its optimized HLO and live ranges, read by ``memory.peak``)."""
     graphdef, init = state_initializer(cfg, pipe=1)
     abstract = jax.eval_shape(init, jnp.uint32(0))
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
     options = MEASURE_OPTIONS if autotune else {**MEASURE_OPTIONS, "xla_gpu_autotune_level": 0}
+    if dump_to is not None:
+        options = {**options, "xla_dump_to": dump_to}
     analysis = make_train_step(graphdef, cfg).lower(abstract, tokens) \
         .compile(compiler_options=options).memory_analysis()
     return analysis, abstract
