@@ -378,9 +378,10 @@ def check_fits(cfg: ExperimentConfig, device: jax.Device) -> Budget | None:
 
 
 def compiled_peak(cfg: ExperimentConfig, micro_batch: int | None = None, *,
-                  autotune: bool = True) -> tuple[int, Any]:
-    """XLA's own peak (arguments + temp) of the real one-device step, and its analysis."""
+                  autotune: bool = True, dump_to: str | None = None) -> tuple[int, Any]:
+    """XLA's own peak (arguments + temp) of the real one-device step, and its analysis;
+    ``dump_to`` as in ``_compile_step``."""
     if micro_batch is not None:
         cfg = apply_overrides(cfg, [f"train.batch_size={micro_batch}"])
-    analysis, _ = _compile_step(cfg, autotune)
+    analysis, _ = _compile_step(cfg, autotune, dump_to)
     return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes, analysis

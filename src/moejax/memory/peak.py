@@ -26,6 +26,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from moejax.memory.budget import compiled_peak
+from moejax.train.config import apply_overrides, get_experiment_preset
+
 GIB = 2 ** 30
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
@@ -158,9 +161,6 @@ def report(live: LiveSet, top: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moejax.memory.budget import _compile_step
-    from moejax.train.config import apply_overrides, get_experiment_preset
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -171,9 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = apply_overrides(get_experiment_preset(args.preset), args.overrides)
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.dump or pathlib.Path(scratch)
-        analysis, _ = _compile_step(cfg, autotune=False, dump_to=str(folder))
+        compiled, analysis = compiled_peak(cfg, autotune=False, dump_to=str(folder))
         live = read_dump(folder)
-    compiled = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
     print(f"compiled step: {compiled / GIB:.3f} GiB (arguments "
           f"{analysis.argument_size_in_bytes / GIB:.3f}, temp "
           f"{analysis.temp_size_in_bytes / GIB:.3f})")
