@@ -26,10 +26,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moejax.memory.budget import compiled_peak
+from moejax.memory.budget import GIB, compiled_peak
 from moejax.train.config import apply_overrides, get_experiment_preset
 
-GIB = 2 ** 30
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*)")
