@@ -47,9 +47,8 @@ from moejax.model.expert_ffn import ExpertWeights
 
 K = 8
 TOKENS = (4096, 16384, 65536)
-# Expert stacks (G, K, N): the small preset's joined gate/up (two 704-wide parts, as the
-# experts pass them: `pallas_kernels.joined`) and down, DeepSeek-V3's 8 local experts' gate/up.
-WEIGHT_SHAPES = "64x1024x704+704,64x704x1024,8x7168x2048+2048"
+# Expert stacks (G, K, N): the small preset's gate/up and down, DeepSeek-V3's 8 local experts.
+WEIGHT_SHAPES = "64x1024x704,64x704x1024,8x7168x2048"
 # Expert rows (T*k, I): the small preset's batch of 16 x 1024 tokens (k = 6), and V3's I.
 SWIGLU_SHAPES = "98304x704,32768x2048"
 PAIRED = ((7168, 256), (2048, 64))  # DeepSeek-V3's and V2-Lite's (hidden, experts)
@@ -198,34 +197,29 @@ def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
     return rows
 
 
-def weight_rows(spec: str, repeats: int, interpret: bool) -> list[Row]:
-    """quantize_weights of FP32 (G, K, N) weights, ``spec`` "GxKxN", or "GxKxN1+N2" for parts
-    joined along N: floor = 4 bytes read and 2 written (both FP8 layouts) per element, plus
-    the block scales."""
-    g, k, widths = spec.split("x")
-    g, k, widths = int(g), int(k), [int(w) for w in widths.split("+")]
-    n = sum(widths)
+def weight_rows(shape: tuple[int, int, int], repeats: int, interpret: bool) -> list[Row]:
+    """quantize_weights of FP32 (G, K, N) weights: floor = 4 bytes read and 2 written (both
+    FP8 layouts) per element, plus the block scales."""
+    g, k, n = shape
     keys = jax.random.split(jax.random.key(g + k + n), sets_fitting(4 * g * k * n))
-    args = [(tuple(jax.random.normal(key, (g, k, w), jnp.float32)
-                   for key, w in zip(jax.random.split(key, len(widths)), widths)),)
-            for key in keys]
+    args = [(jax.random.normal(key, shape, jnp.float32),) for key in keys]
     floor = 6 * g * k * n + 4 * g * cdiv(k, TILE) * cdiv(n, TILE)
     kernel = functools.partial(tm.quantize_weights, interpret=interpret)
-    return _measured_row(f"W={g}x{k}x{'+'.join(map(str, widths))}",
-                         "quantize_weights (FP32 -> FP8 w, w^T)", floor, kernel,
-                         ref.quantize_weights, args, "bitwise", repeats)
+    return _measured_row(f"W={g}x{k}x{n}", "quantize_weights (FP32 -> FP8 w, w^T)", floor,
+                         kernel, ref.quantize_weights, args, "bitwise", repeats)
 
 
 def swiglu_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[Row]:
-    """swiglu_quantize of the BF16 joined gate and up rows (M, 2I): floor = 4 bytes read and
-    1 written per element of the (M, I) output, plus the scales. Checked as "rel": Triton's
-    SiLU rounds a few BF16 values one ulp off XLA's."""
+    """swiglu_quantize of BF16 gate and up (M, I): floor = 4 bytes read and 1 written per
+    element, plus the scales. Checked as "rel": Triton's SiLU rounds a few BF16 values one
+    ulp off XLA's."""
     rows, cols = shape
     keys = jax.random.split(jax.random.key(rows + cols), sets_fitting(4 * rows * cols))
-    args = [(jax.random.normal(key, (rows, 2 * cols), jnp.bfloat16) * 3,) for key in keys]
+    args = [tuple(jax.random.normal(k, shape, jnp.bfloat16) * 3 for k in jax.random.split(key))
+            for key in keys]
     floor = 5 * rows * cols + 4 * rows * cdiv(cols, TILE)
     kernel = functools.partial(tm.swiglu_quantize, interpret=interpret)
-    return _measured_row(f"M={rows} I={cols}", "swiglu_quantize (gate/up -> FP8)", floor,
+    return _measured_row(f"M={rows} I={cols}", "swiglu_quantize (gate, up -> FP8)", floor,
                          kernel, ref.swiglu_quantize, args, "rel", repeats)
 
 
@@ -429,8 +423,7 @@ def main() -> None:
                         help="kernels in Pallas interpret mode (a CPU smoke run at tiny --tokens)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--weights", default=WEIGHT_SHAPES,
-                        help="GxKxN weight stacks for quantize_weights, GxKxN1+N2 for "
-                             "parts joined along N ('' to skip)")
+                        help="GxKxN weight stacks for quantize_weights ('' to skip)")
     parser.add_argument("--swiglu", default=SWIGLU_SHAPES,
                         help="MxI expert rows for swiglu_quantize ('' to skip)")
     parser.add_argument("--moe-tokens", default="8192,32768", help="'' to skip the MoE layer")
@@ -453,7 +446,8 @@ def main() -> None:
                                args.only)
             print(f"done T={tokens} H={hidden} E={experts}", flush=True)
     for shape in filter(None, args.weights.split(",")):
-        rows += weight_rows(shape, args.repeats, args.interpret)
+        rows += weight_rows(tuple(int(d) for d in shape.split("x")), args.repeats,
+                            args.interpret)
     for shape in filter(None, args.swiglu.split(",")):
         rows += swiglu_rows(tuple(int(d) for d in shape.split("x")), args.repeats,
                             args.interpret)

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from pallas_kernels.backend import ops
 from pallas_kernels.gemm import scaled_matmul
 from pallas_kernels.group_schedule import AlignedLayout, aligned_layout
-from pallas_kernels.joined import Weights, parts, split_like
 from pallas_kernels.movement import quantize_along_tokens, quantize_weights, swiglu_quantize
 from pallas_kernels.movement_reference import swiglu_fp32
 from pallas_kernels.quantize import TILE, as_residual, dequantize, from_residual, quantize_1x128
@@ -51,21 +50,14 @@ def _dtype_marker(x: jax.Array) -> jax.Array:
     return jnp.zeros((0,), x.dtype)
 
 
-def _part_markers(w: Weights) -> Weights:
-    """Zero-size stand-ins for w's parts, in w's structure: the backward cuts the joined
-    gradient by their widths (``joined.split_like``) and casts it to their dtype."""
-    return jax.tree.map(lambda p: jnp.zeros((0, p.shape[-1]), p.dtype), w)
-
-
 def _fprop(x: Quantized, w_t: Quantized, group_sizes, dtype) -> jax.Array:
     """y = x w: the kernel contracts K-major operands, so it reads w^T (G, N, K) with its
     (G, N/128, K/128) block scales."""
     return scaled_matmul(*x, *w_t, group_sizes, b_row_tile=TILE, out_dtype=dtype)
 
 
-def _quantized_weights(w: Weights) -> tuple[Quantized, Quantized]:
-    """w (G, K, N) (or its parts, joined along N) for dgrad and w^T (G, N, K) for fprop,
-    FP8 with their block scales."""
+def _quantized_weights(w: jax.Array) -> tuple[Quantized, Quantized]:
+    """w (G, K, N) for dgrad and w^T (G, N, K) for fprop, FP8 with their block scales."""
     wq, wq_t, scale = quantize_weights(w)
     return (wq, scale), (wq_t, jnp.swapaxes(scale, 1, 2))
 
@@ -95,53 +87,45 @@ def _wgrad(dy, x_t: Quantized, layout: AlignedLayout, dtype) -> jax.Array:
 
 
 def _backward(res, dy):
-    x, w, sizes, x_dtype, w_parts = res
+    x, w, sizes, x_dtype, w_dtype = res
     x, w = from_residual(x), from_residual(w)
     layout = aligned_layout(sizes, dy.shape[0])
     dx = _dgrad(dy, w, sizes, x_dtype.dtype)
-    dw = _wgrad(dy, _along_tokens(x, layout), layout, parts(w_parts)[0].dtype)
-    return dx, split_like(dw, w_parts)
+    return dx, _wgrad(dy, _along_tokens(x, layout), layout, w_dtype.dtype)
 
 
-def _forward(x, w: Weights, sizes, x_kept: Quantized | None = None):
-    """y and the FP8 residuals (in ``quantize.as_residual`` form); w is (G, K, N) or its
-    parts joined along N (``joined``; the gradient then comes back as parts).
+def _forward(x, w, sizes, x_kept: Quantized | None = None):
+    """y and the FP8 residuals (in ``quantize.as_residual`` form); w is (G, K, N).
     ``x_kept``: x's 1x128 quantization in that form if the caller already has it (then x
     itself is not read, and the caller's copy is the residual: GEMMs sharing it keep one)."""
     x_kept = as_residual(quantize_1x128(x)) if x_kept is None else x_kept
     wq, wq_t = _quantized_weights(w)
     return _fprop(from_residual(x_kept), wq_t, sizes, x.dtype), (
-        x_kept, as_residual(wq), sizes, _dtype_marker(x), _part_markers(w))
+        x_kept, as_residual(wq), sizes, _dtype_marker(x), _dtype_marker(w))
 
 
 @jax.custom_vjp
-def fp8_linear(x: jax.Array, w: Weights) -> jax.Array:
-    """y (M, N) = x (M, K) @ w (K, N) with FP8 operands, in x's dtype; dw in w's dtype.
-    w may be (K, N_i) parts, multiplied as their concatenation along N (``joined``)."""
-    return _linear_fwd(x, w)[0]
-
-
-def _one_group(w: Weights) -> Weights:
-    return jax.tree.map(lambda p: p[None], w)
+def fp8_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """y (M, N) = x (M, K) @ w (K, N) with FP8 operands, in x's dtype; dw in w's dtype."""
+    return _forward(x, w[None], _full(x.shape[0]))[0]
 
 
 def _linear_fwd(x, w):
-    return _forward(x, _one_group(w), _full(x.shape[0]))
+    return _forward(x, w[None], _full(x.shape[0]))
 
 
 def _linear_bwd(res, dy):
     dx, dw = _backward(res, dy)
-    return dx, jax.tree.map(lambda d: d[0], dw)
+    return dx, dw[0]
 
 
 fp8_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 @jax.custom_vjp
-def fp8_grouped_linear(x: jax.Array, w: Weights, group_sizes: jax.Array,
+def fp8_grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                        x_fp8: Quantized | None = None) -> jax.Array:
-    """Row r of group g: y[r] = x[r] @ w[g], x (M, K), w (G, K, N) or its (G, K, N_i)
-    parts joined along N (``joined``); FP8 operands.
+    """Row r of group g: y[r] = x[r] @ w[g], x (M, K), w (G, K, N); FP8 operands.
 
     ``x_fp8`` = ``quantize.as_residual(quantize_1x128(x))`` where the caller has it
     already (tokens that travelled in FP8; one copy for the gate and up GEMMs): the GEMM
@@ -162,44 +146,44 @@ fp8_grouped_linear.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 @jax.custom_vjp
-def fp8_swiglu_grouped_linear(gate_up: jax.Array, w: Weights, group_sizes: jax.Array,
-                              row_weights: jax.Array | None = None) -> jax.Array:
+def fp8_swiglu_grouped_linear(gate: jax.Array, up: jax.Array, w: jax.Array,
+                              group_sizes: jax.Array, row_weights: jax.Array | None = None
+                              ) -> jax.Array:
     """y[r] = (SwiGLU(gate, up)[r] * row_weights[r]) @ w[g], w (G, I, N): a SwiGLU MLP's
-    down projection of the joined (M, 2I) gate and up rows (``joined.halves``), with SwiGLU
-    in FP32 rounded to their dtype; ``row_weights`` (M,) FP32 (the router's weight of each
-    expert row; None: 1) scale each row's input.
+    down projection, with SwiGLU in FP32 rounded to gate's dtype; ``row_weights`` (M,)
+    FP32 (the router's weight of each expert row; None: 1) scale each row's input.
 
     Forward makes the FP8 operand in one pass (``movement.swiglu_quantize``); a row's
     weight multiplies its 1x128 scales, which is the quantization of the weighted row
-    (its tiles' FP8 values are the same). Backward keeps the joined rows as one FP8 copy
-    (1x128 scales) and recomputes SwiGLU from it, instead of keeping gate, up (BF16) and
+    (its tiles' FP8 values are the same). Backward keeps gate and up as FP8 copies (1x128
+    scales) and recomputes SwiGLU from them, instead of keeping gate, up (BF16) and
     SwiGLU's FP8 copy: 2 bytes per intermediate element, not 5.
     """
-    return _swiglu_fwd(gate_up, w, group_sizes, row_weights)[0]
+    return _swiglu_fwd(gate, up, w, group_sizes, row_weights)[0]
 
 
-def _swiglu(gate_up, dtype) -> jax.Array:
-    return swiglu_fp32(gate_up).astype(dtype)
+def _swiglu(gate, up, dtype) -> jax.Array:
+    return swiglu_fp32(gate, up).astype(dtype)
 
 
-def _swiglu_fwd(gate_up, w, group_sizes, row_weights):
+def _swiglu_fwd(gate, up, w, group_sizes, row_weights):
     sizes = group_sizes.astype(jnp.int32)
     wq, wq_t = _quantized_weights(w)
-    hq, hs = swiglu_quantize(gate_up)
+    hq, hs = swiglu_quantize(gate, up)
     if row_weights is not None:
         hs = hs * row_weights.astype(jnp.float32)[:, None]
-    y = _fprop((hq, hs), wq_t, sizes, gate_up.dtype)
-    saved = (as_residual(quantize_1x128(gate_up)), as_residual(wq), sizes, row_weights,
-             _dtype_marker(gate_up), _part_markers(w))
+    y = _fprop((hq, hs), wq_t, sizes, gate.dtype)
+    saved = (as_residual(quantize_1x128(gate)), as_residual(quantize_1x128(up)),
+             as_residual(wq), sizes, row_weights, _dtype_marker(gate), _dtype_marker(w))
     return y, saved
 
 
 def _swiglu_bwd(res, dy):
-    gate_up_q, wq, sizes, row_weights, x_dtype, w_parts = res
-    gate_up_q, wq = map(from_residual, (gate_up_q, wq))
+    gate_q, up_q, wq, sizes, row_weights, x_dtype, w_dtype = res
+    gate_q, up_q, wq = map(from_residual, (gate_q, up_q, wq))
     dtype = x_dtype.dtype
-    gate_up = dequantize(*gate_up_q, row_tile=1)  # FP32
-    hidden, swiglu_vjp = jax.vjp(lambda h: _swiglu(h, dtype), gate_up)
+    gate, up = (dequantize(*q, row_tile=1) for q in (gate_q, up_q))  # FP32
+    hidden, swiglu_vjp = jax.vjp(lambda g, u: _swiglu(g, u, dtype), gate, up)
     d_hidden = _dgrad(dy, wq, sizes, dtype)
     d_row_weights = None
     if row_weights is not None:
@@ -211,9 +195,9 @@ def _swiglu_bwd(res, dy):
     # The recomputed SwiGLU is quantized along tokens straight from its BF16 value:
     # one rounding for wgrad here, unlike a plain FP8 linear's saved input.
     layout = aligned_layout(sizes, dy.shape[0])
-    dw = _wgrad(dy, quantize_along_tokens(hidden, layout), layout, parts(w_parts)[0].dtype)
-    (d_gate_up,) = swiglu_vjp(d_hidden)
-    return d_gate_up.astype(dtype), split_like(dw, w_parts), None, d_row_weights
+    dw = _wgrad(dy, quantize_along_tokens(hidden, layout), layout, w_dtype.dtype)
+    d_gate, d_up = swiglu_vjp(d_hidden)
+    return d_gate.astype(dtype), d_up.astype(dtype), dw, None, d_row_weights
 
 
 fp8_swiglu_grouped_linear.defvjp(_swiglu_fwd, _swiglu_bwd)

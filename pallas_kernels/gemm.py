@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import ops
-from pallas_kernels.joined import join, joined_shape, parts, split_like
 from pallas_kernels.quantize import FP8, TILE, cdiv
 
 
@@ -63,14 +62,11 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Arra
 
     b may be FP32 master weights: the GEMMs take them cast to a's dtype, and the weight
     gradient comes back in b's dtype straight from the kernel's FP32 accumulator (so
-    backward keeps no 16-bit copy of b, and no 16-bit rounding of its gradient). b may also
-    be a tuple of (G, K, N_i) parts, multiplied as their concatenation along N (a SwiGLU's
-    gate and up: ``pallas_kernels.joined``); the gradient then comes back as parts."""
-    b_shape = joined_shape(b)
-    if a.ndim != 2 or len(b_shape) != 3 or a.shape[1] != b_shape[1]:
-        raise ValueError(f"grouped_gemm wants a (M, K), b (G, K, N); got {a.shape}, {b_shape}")
-    _expect("group_sizes", group_sizes, (b_shape[0],))
-    out = ops().grouped_matmul(a, join(b, a.dtype), group_sizes.astype(jnp.int32),
+    backward keeps no 16-bit copy of b, and no 16-bit rounding of its gradient)."""
+    if a.ndim != 2 or b.ndim != 3 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"grouped_gemm wants a (M, K), b (G, K, N); got {a.shape}, {b.shape}")
+    _expect("group_sizes", group_sizes, (b.shape[0],))
+    out = ops().grouped_matmul(a, b.astype(a.dtype), group_sizes.astype(jnp.int32),
                                b_kn=True, out_dtype=a.dtype)
     return _unclonable(out)
 
@@ -96,10 +92,10 @@ def _grouped_gemm_bwd(res, dy):
     sizes = group_sizes.astype(jnp.int32)
     dy = dy.astype(a.dtype)
     # dgrad: dA[r] = dY[r] @ b[g]^T, i.e. b (G, K, N) read as (G, out=K, contract=N).
-    da = ops().grouped_matmul(dy, join(b, a.dtype), sizes, b_kn=False, out_dtype=a.dtype)
+    da = ops().grouped_matmul(dy, b.astype(a.dtype), sizes, b_kn=False, out_dtype=a.dtype)
     # wgrad: dB[g] = A_g^T dY_g, contracting over the group's rows.
-    db = ops().grouped_matmul_tn(a, dy, sizes, token_major=True, out_dtype=parts(b)[0].dtype)
-    return da, split_like(db, b), None
+    db = ops().grouped_matmul_tn(a, dy, sizes, token_major=True, out_dtype=b.dtype)
+    return da, db, None
 
 
 grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)

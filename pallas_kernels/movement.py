@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from pallas_kernels import mosaic_movement, movement_reference, triton_movement
 from pallas_kernels.backend import backend
 from pallas_kernels.group_schedule import AlignedLayout
-from pallas_kernels.joined import Weights, joined_shape, parts
 from pallas_kernels.quantize import TILE, cdiv
 
 # Ops whose XLA compile of the reference already runs at the kernel's speed on a GPU, so
@@ -225,25 +224,22 @@ def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None,
     return _impl("quantize_along_tokens", *shapes)(x, layout, scale)
 
 
-def quantize_weights(w: Weights) -> tuple[jax.Array, jax.Array, jax.Array]:
+def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """An FP8 linear's weights w (G, K, N), as stored, quantized per 128x128 block once and
     written in both layouts: (G, K, N) FP8 for dgrad, (G, N, K) FP8 for fprop (the WGMMA
     kernels read FP8 operands K-major), and their shared (G, ceil(K/128), ceil(N/128)) FP32
-    scales. Bit-identical to ``quantize_128x128`` of each w[g] and its transpose. w may be
-    a tuple of (G, K, N_i) parts, quantized as their concatenation along N (``joined``)."""
-    shape, dtype = joined_shape(w), parts(w)[0].dtype
-    if len(shape) != 3:
-        raise ValueError(f"quantize_weights wants w (G, K, N), got {shape}")
-    return _impl("quantize_weights", (shape, dtype), (shape, jnp.float8_e4m3fn))(w)
+    scales. Bit-identical to ``quantize_128x128`` of each w[g] and its transpose."""
+    if w.ndim != 3:
+        raise ValueError(f"quantize_weights wants w (G, K, N), got {w.shape}")
+    return _impl("quantize_weights", (w.shape, w.dtype), (w.shape, jnp.float8_e4m3fn))(w)
 
 
-def swiglu_quantize(gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """quantize_1x128(SwiGLU(gate, up)) of the 16-bit joined (M, 2I) gate and up rows
-    (``joined.halves``), with SwiGLU in FP32 rounded to their dtype first: one read of the
-    rows, one write of the (M, I) FP8 values and (M, ceil(I/128)) scales."""
-    if gate_up.ndim != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"swiglu_quantize wants the joined gate and up rows (M, 2I), got "
-                         f"{gate_up.shape}")
-    half = (gate_up.shape[0], gate_up.shape[1] // 2)
-    return _impl("swiglu_quantize", (gate_up.shape, gate_up.dtype),
-                 (half, jnp.float8_e4m3fn))(gate_up)
+def swiglu_quantize(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """quantize_1x128(SwiGLU(gate, up)) of the 16-bit (M, I) gate and up rows, with SwiGLU in
+    FP32 rounded to gate's dtype first: one read of gate and up, one write of the (M, I) FP8
+    rows and (M, ceil(I/128)) scales."""
+    if gate.ndim != 2 or gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu_quantize wants gate and up of one (M, I) shape and dtype, got "
+                         f"{gate.shape} {gate.dtype} and {up.shape} {up.dtype}")
+    return _impl("swiglu_quantize", (gate.shape, gate.dtype), (gate.shape, jnp.float8_e4m3fn))(
+        gate, up)

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.group_schedule import AlignedLayout, gather_aligned
-from pallas_kernels.joined import Weights, halves, join
 from pallas_kernels.quantize import dequantize, quantize_1x128, quantize_128x128
 
 _HI = jax.lax.Precision.HIGHEST
@@ -63,22 +62,20 @@ def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None,
     return quantize_1x128((x if layout is None else gather_aligned(x, layout)).T)
 
 
-def quantize_weights(w: Weights) -> tuple[jax.Array, jax.Array, jax.Array]:
+def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """w (G, K, N) -> its 128x128 quantization in both layouts: (G, K, N) FP8 (dgrad's
     operand), (G, N, K) FP8 (fprop's: the same blocks transposed) and the (G, ceil(K/128),
-    ceil(N/128)) FP32 block scales, which both layouts share. Parts are joined along N."""
-    q, scale = jax.vmap(quantize_128x128)(join(w))
+    ceil(N/128)) FP32 block scales, which both layouts share."""
+    q, scale = jax.vmap(quantize_128x128)(w)
     return q, jnp.swapaxes(q, 1, 2), scale
 
 
-def swiglu_fp32(gate_up: jax.Array) -> jax.Array:
-    """SwiGLU, silu(gate) * up, of the joined (..., 2I) gate and up projections
-    (``joined.halves``), in FP32 math whatever the input's dtype."""
-    gate, up = halves(gate_up)
+def swiglu_fp32(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU, silu(gate) * up, in FP32 math whatever the inputs' dtype."""
     return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
 
 
-def swiglu_quantize(gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """quantize_1x128 of SwiGLU of the joined (M, 2I) gate and up, rounded to their dtype:
-    (M, I) FP8 and (M, ceil(I/128)) FP32 scales, the FP8 down projection's fprop operand."""
-    return quantize_1x128(swiglu_fp32(gate_up).astype(gate_up.dtype))
+def swiglu_quantize(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """quantize_1x128 of SwiGLU(gate, up) (M, I) rounded to gate's dtype: (M, I) FP8 and
+    (M, ceil(I/128)) FP32 scales, the FP8 down projection's fprop operand."""
+    return quantize_1x128(swiglu_fp32(gate, up).astype(gate.dtype))

@@ -14,9 +14,8 @@ the output, the index math and quantization in registers between them.
 - `inverse_permutation`: the sorted row of each token copy, which the scatter-form kernels
   index by (one store per element, where XLA's scatter ran three kernels).
 - `quantize_weights`: an FP8 linear's 128x128 weight blocks, quantized once from the stored
-  (G, K, N) weights (or parts of them joined along N) and written in both layouts the GEMMs
-  read.
-- `swiglu_quantize`: SwiGLU of the 16-bit joined gate and up rows, quantized 1x128 in the same
+  (G, K, N) weights and written in both layouts the GEMMs read.
+- `swiglu_quantize`: SwiGLU of the 16-bit gate and up rows, quantized 1x128 in the same
   pass (the FP8 down projection's input; XLA wrote it in FP32 and read it twice more).
 
 Quantization is bit-identical to `quantize.quantize_1x128` on the same platform: the same
@@ -41,7 +40,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.group_schedule import AlignedLayout
-from pallas_kernels.joined import joined_shape, parts
 from pallas_kernels.quantize import FP8, FP8_MAX, TILE, amax_from_bits, cdiv, scale_from_amax
 from pallas_kernels.triton_gemm import _compiler_params, _out_shape
 
@@ -375,27 +373,15 @@ def quantize_along_tokens(x, layout: AlignedLayout | None = None, scale=None, *,
                        out_init))
 
 
-def _quantize_weights_kernel(*refs, rows, widths, saturating):
+def _quantize_weights_kernel(w_ref, q_ref, qt_ref, s_ref, *, rows, cols, saturating):
     """Program (g, i, j): block (i, j) of w[g], read once, quantized on its one scale, and
-    stored as is and transposed (the transpose goes through shared memory, not HBM). w is
-    the parts ``refs[:-3]`` joined along N (``widths`` columns each): a block that straddles
-    two parts loads its columns from each."""
-    part_refs, (q_ref, qt_ref, s_ref) = refs[:-3], refs[-3:]
+    stored as is and transposed (the transpose goes through shared memory, not HBM)."""
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row_in, col_in = i * TILE + _iota(TILE) < rows, j * TILE + _iota(TILE) < sum(widths)
+    row_in, col_in = i * TILE + _iota(TILE) < rows, j * TILE + _iota(TILE) < cols
     mask = row_in[:, None] & col_in[None, :]
     r, c = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
-    if len(part_refs) == 1:
-        v = pltriton.load(part_refs[0].at[g, r, c], mask=mask, other=0)
-    else:
-        v, first = jnp.zeros((TILE, TILE), part_refs[0].dtype), 0
-        for ref, width in zip(part_refs, widths):
-            local = j * TILE - first + _iota(TILE)  # the block's columns in this part
-            in_part = row_in[:, None] & ((local >= 0) & (local < width))[None, :]
-            piece = pltriton.load(ref.at[(g, *_gathered(i * TILE + _iota(TILE), j * TILE - first,
-                                                        TILE))], mask=in_part, other=0)
-            v, first = jnp.where(in_part, piece, v), first + width
-    q, scale = _quantize_rows(v.astype(jnp.float32).reshape(1, TILE * TILE), saturating)
+    v = pltriton.load(w_ref.at[g, r, c], mask=mask, other=0).astype(jnp.float32)
+    q, scale = _quantize_rows(v.reshape(1, TILE * TILE), saturating)
     q = q.reshape(TILE, TILE)
     pltriton.store(q_ref.at[g, r, c], q, mask=mask)
     pltriton.store(qt_ref.at[g, c, r], q.T, mask=mask.T)
@@ -404,39 +390,36 @@ def _quantize_weights_kernel(*refs, rows, widths, saturating):
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def quantize_weights(w, *, interpret=False, out_init=None):
-    """See movement_reference.quantize_weights: one read of w (of each part, where w is
-    parts joined along N), one write of each layout. XLA's compile of the reference
-    transposed the FP32 stack (8 bytes an element) and read it twice more (amax, then
-    quantize) before writing the two FP8 copies (docs/performance.md, session 19)."""
-    pieces = parts(w)
-    groups, rows, cols = joined_shape(w)
+    """See movement_reference.quantize_weights: one read of w, one write of each layout.
+    XLA's compile of the reference transposed the FP32 stack (8 bytes an element) and read
+    it twice more (amax, then quantize) before writing the two FP8 copies
+    (docs/performance.md, session 19)."""
+    groups, rows, cols = w.shape
     nr, nc = cdiv(rows, TILE), cdiv(cols, TILE)
-    outs = (_out_shape((groups, rows, cols), FP8, *pieces),
-            _out_shape((groups, cols, rows), FP8, *pieces),
-            _out_shape((groups, nr, nc), jnp.float32, *pieces))
-    kernel = functools.partial(_quantize_weights_kernel, rows=rows,
-                               widths=tuple(p.shape[-1] for p in pieces), saturating=not interpret)
-    return tuple(_call("weights_transpose_quantize", kernel, list(pieces), outs, (groups, nr, nc),
+    outs = (_out_shape((groups, rows, cols), FP8, w), _out_shape((groups, cols, rows), FP8, w),
+            _out_shape((groups, nr, nc), jnp.float32, w))
+    kernel = functools.partial(_quantize_weights_kernel, rows=rows, cols=cols,
+                               saturating=not interpret)
+    return tuple(_call("weights_transpose_quantize", kernel, [w], outs, (groups, nr, nc),
                        WEIGHT_CONFIG, interpret, out_init))
 
 
-def _swiglu_quantize_kernel(h_ref, q_ref, s_ref, *, rows, cols, cfg, saturating):
-    """Program (i, j): rows i*bt.., columns j*bh.. of gate and up (the halves of the joined
-    rows h, `cols` wide each), read once; SwiGLU in FP32, rounded to the inputs' dtype,
-    quantized per 1x128 tile (masked lanes load 0, which leaves each tile's amax alone)."""
+def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *, rows, cols, cfg, saturating):
+    """Program (i, j): rows i*bt.., columns j*bh.. of gate and up, read once; SwiGLU in FP32,
+    rounded to the inputs' dtype, quantized per 1x128 tile (masked lanes load 0, which
+    leaves each tile's amax alone)."""
     bt, bh = cfg.block_rows, cfg.block_cols
     i, j = pl.program_id(0), pl.program_id(1)
     row_ids = i * bt + _iota(bt)
     row_in = row_ids < rows
     mask = row_in[:, None] & (j * bh + _iota(bh) < cols)[None, :]
-    r = pl.ds(i * bt, bt)
-    gate = pltriton.load(h_ref.at[r, pl.ds(j * bh, bh)], mask=mask, other=0)
-    up = pltriton.load(h_ref.at[r, pl.ds(cols + j * bh, bh)], mask=mask, other=0)
-    hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
-              ).astype(h_ref.dtype).astype(jnp.float32)
+    r, c = pl.ds(i * bt, bt), pl.ds(j * bh, bh)
+    gate = pltriton.load(g_ref.at[r, c], mask=mask, other=0).astype(jnp.float32)
+    up = pltriton.load(u_ref.at[r, c], mask=mask, other=0).astype(jnp.float32)
+    hidden = (jax.nn.silu(gate) * up).astype(g_ref.dtype).astype(jnp.float32)
     nb = bh // TILE
     q, scale = _quantize_rows(hidden.reshape(bt * nb, TILE), saturating)
-    pltriton.store(q_ref.at[r, pl.ds(j * bh, bh)], q.reshape(bt, bh), mask=mask)
+    pltriton.store(q_ref.at[r, c], q.reshape(bt, bh), mask=mask)
     tiles = j * nb + _iota(nb)
     tile_in = (tiles < cdiv(cols, TILE))[None, :]
     pltriton.store(s_ref.at[row_ids[:, None], tiles[None, :]],
@@ -444,15 +427,15 @@ def _swiglu_quantize_kernel(h_ref, q_ref, s_ref, *, rows, cols, cfg, saturating)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def swiglu_quantize(gate_up, *, cfg=None, interpret=False, out_init=None):
-    """See movement_reference.swiglu_quantize: one read of the joined gate and up rows, one
-    write of the FP8 rows and scales."""
-    rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
-    cfg = _quantizing(_narrowed(cfg or SWIGLU_CONFIG, cols), "swiglu_quantize")
-    outs = (_out_shape((rows, cols), FP8, gate_up),
-            _out_shape((rows, cdiv(cols, TILE)), jnp.float32, gate_up))
+def swiglu_quantize(gate, up, *, cfg=None, interpret=False, out_init=None):
+    """See movement_reference.swiglu_quantize: one read of gate and up, one write of the FP8
+    rows and scales."""
+    cfg = _quantizing(_narrowed(cfg or SWIGLU_CONFIG, gate.shape[1]), "swiglu_quantize")
+    rows, cols = gate.shape
+    outs = (_out_shape((rows, cols), FP8, gate, up),
+            _out_shape((rows, cdiv(cols, TILE)), jnp.float32, gate, up))
     kernel = functools.partial(_swiglu_quantize_kernel, rows=rows, cols=cols, cfg=cfg,
                                saturating=not interpret)
     grid = (cdiv(rows, cfg.block_rows), cdiv(cols, cfg.block_cols))
-    return tuple(_call("swiglu_quantize", kernel, [gate_up], outs, grid, cfg, interpret,
+    return tuple(_call("swiglu_quantize", kernel, [gate, up], outs, grid, cfg, interpret,
                        out_init))

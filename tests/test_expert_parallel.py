@@ -275,7 +275,7 @@ def test_fp8_transport_layer_and_gradients_within_fp8_error(moe, transport, monk
 
 
 def test_fp8_tokens_feed_the_fp8_expert_gemms_as_they_arrived(monkeypatch):
-    """With FP8 expert GEMMs, rows that travelled in FP8 go into the joined gate/up GEMM as
+    """With FP8 expert GEMMs, rows that travelled in FP8 go into the gate and up GEMMs as
     they arrived (values and 1x128 scales: no dequantize-then-requantize pass), and the
     layer equals the one-device FP8 layer, which quantizes the same rows itself."""
     import importlib
@@ -297,8 +297,8 @@ def test_fp8_tokens_feed_the_fp8_expert_gemms_as_they_arrived(monkeypatch):
     monkeypatch.setattr(fp8_linear, "_forward", spy)
     with jax.set_mesh(_mesh(expert=8)), _fp8_options("padded"):
         got = _call(fp8_moe, x, bias).y.astype(jnp.float32)
-    # the routed gate/up GEMM took the arrived FP8 rows; the shared experts' (never sent) not
-    assert sorted(given) == [False, True]
+    # routed gate and up took the arrived FP8 rows; the shared experts' (never sent) did not
+    assert sorted(given) == [False, False, True, True]
     rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
     assert rel < 1e-4, rel
 

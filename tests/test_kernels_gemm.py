@@ -162,42 +162,6 @@ def test_grouped_gemm_matches_ragged_dot_and_grads(request, backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
-@pytest.mark.parametrize("op", ["grouped_gemm", "fp8_grouped_linear"])
-def test_weights_given_as_parts_are_the_joined_weights(request, backend, op):
-    """b as (G, K, N_i) parts (a SwiGLU's gate and up; ``pallas_kernels.joined``) is the
-    GEMM of their concatenation, bit for bit, and its gradient comes back cut into the
-    parts, again bit for bit."""
-    rng = _rng(request)
-    m, k = 320, 256
-    a = _normal(rng, (m, k))
-    parts = (_normal(rng, (len(SIZES), k, 200), jnp.float32),  # FP32 masters, as the model
-             _normal(rng, (len(SIZES), k, 72), jnp.float32))
-    dy = _normal(rng, (m, 272), jnp.float32)
-    sizes = jnp.asarray(SIZES)
-    fn = getattr(pk, op)
-
-    def loss(a, b):
-        return jnp.sum(fn(a, b, sizes).astype(jnp.float32) * dy)
-
-    with pk.use_backend(backend):
-        by_parts = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(a, parts)
-        joined = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
-            a, jnp.concatenate(parts, axis=-1))
-    (value, (da, dparts)), (want_value, (want_da, want_db)) = by_parts, joined
-    assert isinstance(dparts, tuple) and [d.shape for d in dparts] == [p.shape for p in parts]
-    np.testing.assert_array_equal(np.asarray(value), np.asarray(want_value))
-    np.testing.assert_array_equal(_f64(da), _f64(want_da))
-    np.testing.assert_array_equal(np.concatenate([_f64(d) for d in dparts], -1), _f64(want_db))
-    assert np.abs(_f64(dparts[1])).max() > 0  # the second part's gradient arrived
-
-
-def test_weight_parts_must_agree_on_the_leading_dims():
-    a = jnp.zeros((8, 16), jnp.bfloat16)
-    with pytest.raises(ValueError, match="agree on all but the last axis"):
-        pk.grouped_gemm(a, (jnp.zeros((2, 16, 4)), jnp.zeros((3, 16, 4))), jnp.array([4, 4]))
-
-
-@pytest.mark.parametrize("backend", ["reference", "interpret"])
 def test_fp8_linear_grads_match_reference(request, backend):
     rng = _rng(request)
     x, w = _normal(rng, (160, 256), jnp.float32), _normal(rng, (384, 200), jnp.float32)[:256]

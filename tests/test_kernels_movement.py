@@ -220,19 +220,15 @@ def test_quantize_along_tokens_from_fp8_requantizes_the_dequantized_rows(request
     np.testing.assert_array_equal(_bits(pk.quantize_along_tokens(xq, layout, xs)[0]), _bits(q))
 
 
-@pytest.mark.parametrize("shape,widths", [((2, 300, 200), None), ((1, 128, 256), (100, 156)),
-                                          ((3, 77, 129), (64, 65)), ((1, 130, 384), (128, 256))])
-def test_quantize_weights_is_quantize_128x128_in_both_layouts(request, shape, widths):
-    """Every block read once, written as is and transposed, with the reference's bits;
-    ``widths``: w passed as parts joined along N (``joined``), blocks straddling two parts
-    included."""
+@pytest.mark.parametrize("shape", [(2, 300, 200), (1, 128, 256), (3, 77, 129)])
+def test_quantize_weights_is_quantize_128x128_in_both_layouts(request, shape):
+    """Every block read once, written as is and transposed, with the reference's bits."""
     w = jnp.asarray(_rng(request).standard_normal(shape) * 3, jnp.float32)
     g, k, n = shape
-    given = w if widths is None else tuple(jnp.split(w, np.cumsum(widths)[:-1], axis=-1))
     poison = (jnp.full((g, k, n), jnp.nan, jnp.float8_e4m3fn),
               jnp.full((g, n, k), jnp.nan, jnp.float8_e4m3fn),
               jnp.full((g, -(-k // 128), -(-n // 128)), jnp.nan))
-    q, q_t, s = tm.quantize_weights(given, interpret=True, out_init=poison)
+    q, q_t, s = tm.quantize_weights(w, interpret=True, out_init=poison)
     for i in range(g):
         want_q, want_s = pk.quantize_128x128(w[i])
         want_qt, want_st = pk.quantize_128x128(w[i].T)
@@ -240,13 +236,12 @@ def test_quantize_weights_is_quantize_128x128_in_both_layouts(request, shape, wi
         np.testing.assert_array_equal(_bits(q_t[i]), _bits(want_qt))
         np.testing.assert_array_equal(np.asarray(s[i]), np.asarray(want_s))
         np.testing.assert_array_equal(np.asarray(s[i]).T, np.asarray(want_st))
-    for got, want in zip(pk.quantize_weights(given), (q, q_t, s)):
+    for got, want in zip(pk.quantize_weights(w), (q, q_t, s)):
         np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
-def _swiglu64(gate_up) -> np.ndarray:
-    h = np.asarray(jnp.asarray(gate_up, jnp.float32), np.float64)
-    g, u = np.split(h, 2, axis=1)
+def _swiglu64(gate, up) -> np.ndarray:
+    g, u = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (gate, up))
     return g / (1 + np.exp(-g)) * u
 
 
@@ -254,41 +249,41 @@ def _dequantized64(q, s) -> np.ndarray:
     return np.asarray(pk.dequantize(q, s, row_tile=1), np.float64)
 
 
-def _check_swiglu_quantized(q, s, gate_up, exact: bool) -> None:
+def _check_swiglu_quantized(q, s, gate, up, exact: bool) -> None:
     """Against the reference and an independent float64 SwiGLU. ``exact``: bitwise the
     reference. Else (Triton's exp is not XLA's) a few BF16 roundings land one ulp apart,
     and where that moves a tile's amax the whole tile re-rounds: the dequantized rows then
     agree with the reference's to well under one E4M3 ulp on average (a wrong tile, mask
     or scale is off by order one)."""
-    want_q, want_s = jax.jit(ref.swiglu_quantize)(gate_up)
+    want_q, want_s = jax.jit(ref.swiglu_quantize)(gate, up)
     if exact:
         np.testing.assert_array_equal(_bits(q), _bits(want_q))
         np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
     else:
         assert _rel64(_dequantized64(q, s), _dequantized64(want_q, want_s)) <= 1e-2
-    assert _rel64(_dequantized64(q, s), _swiglu64(gate_up)) <= 0.04  # E4M3: 2^-4 half-ulps
+    assert _rel64(_dequantized64(q, s), _swiglu64(gate, up)) <= 0.04  # E4M3: 2^-4 half-ulps
 
 
 @pytest.mark.parametrize("rows,cols", [(45, 704), (16, 256), (33, 130)])
 def test_swiglu_quantize_is_quantize_1x128_of_swiglu(request, rows, cols):
     """Interpret mode: bitwise the reference on the CPU, where both run XLA:CPU's SiLU."""
     rng = _rng(request)
-    gate_up = jnp.asarray(rng.standard_normal((rows, 2 * cols)) * 3, jnp.bfloat16)
+    gate, up = (jnp.asarray(rng.standard_normal((rows, cols)) * 3, jnp.bfloat16) for _ in "gu")
     poison = (jnp.full((rows, cols), jnp.nan, jnp.float8_e4m3fn),
               jnp.full((rows, -(-cols // 128)), jnp.nan))
-    q, s = tm.swiglu_quantize(gate_up, cfg=SMALL, interpret=True, out_init=poison)
+    q, s = tm.swiglu_quantize(gate, up, cfg=SMALL, interpret=True, out_init=poison)
     if jax.default_backend() != "cpu":
         # Interpreted on a GPU, the body runs through XLA:GPU, whose excess precision may
         # skip the BF16 rounding; the compiled kernel is checked by the GPU test below.
-        assert _rel64(_dequantized64(q, s), _swiglu64(gate_up)) <= 0.04
+        assert _rel64(_dequantized64(q, s), _swiglu64(gate, up)) <= 0.04
         return
-    _check_swiglu_quantized(q, s, gate_up, exact=True)
-    _check_swiglu_quantized(*pk.swiglu_quantize(gate_up), gate_up, exact=True)
+    _check_swiglu_quantized(q, s, gate, up, exact=True)
+    _check_swiglu_quantized(*pk.swiglu_quantize(gate, up), gate, up, exact=True)
 
 
-def test_swiglu_quantize_names_an_odd_width():
-    with pytest.raises(ValueError, match=r"joined gate and up rows \(M, 2I\), got \(4, 255\)"):
-        pk.swiglu_quantize(jnp.zeros((4, 255), jnp.bfloat16))
+def test_swiglu_quantize_names_mismatched_inputs():
+    with pytest.raises(ValueError, match="one \\(M, I\\) shape and dtype"):
+        pk.swiglu_quantize(jnp.zeros((4, 256), jnp.bfloat16), jnp.zeros((4, 128), jnp.bfloat16))
 
 
 def test_quantize_weights_names_a_wrong_rank():
@@ -395,8 +390,7 @@ def test_inverse_permutation_kernel_inverts(request, n):
 @pytest.mark.parametrize("op", ["permute_fp8", "permute_fp8_words", "permute", "combine",
                                 "combine_backward", "quantize_along_tokens",
                                 "quantize_along_tokens_from_fp8", "inverse_permutation",
-                                "quantize_weights", "quantize_weights_parts",
-                                "swiglu_quantize"])
+                                "quantize_weights", "swiglu_quantize"])
 def test_triton_kernels_lower_for_cuda(op):
     """The Triton lowering (not the interpreter) accepts every kernel: caught here, on CPU,
     before a GPU is needed."""
@@ -418,10 +412,7 @@ def test_triton_kernels_lower_for_cuda(op):
         "inverse_permutation": (tm.inverse_permutation, (perm,)),
         "quantize_weights": (tm.quantize_weights,
                              (jax.ShapeDtypeStruct((k, t, h), jnp.float32),)),
-        "quantize_weights_parts": (tm.quantize_weights,
-                                   ((jax.ShapeDtypeStruct((k, t, 200), jnp.float32),
-                                     jax.ShapeDtypeStruct((k, t, h - 200), jnp.float32)),)),
-        "swiglu_quantize": (tm.swiglu_quantize, (y,)),
+        "swiglu_quantize": (tm.swiglu_quantize, (x, x)),
     }[op]
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # the scatter-form kernels run the inverse permutation's kernel first
@@ -557,23 +548,20 @@ def test_gpu_quantizing_kernels_leave_the_clamp_to_the_fp8_cast():
     w = jnp.stack([square, square.T])
     with pk.use_backend("triton"):
         q, q_t, s = jax.jit(pk.quantize_weights)(w)
-        # and as parts joined along N, with a block straddling the two (compiled gathers)
-        parts_out = jax.jit(pk.quantize_weights)((w[..., :100], w[..., 100:]))
     want_q, want_qt, want_s = jax.jit(ref.quantize_weights)(w)
-    for got in ((q, q_t, s), parts_out):
-        _fp8_bits_match(got[0], want_q)
-        _fp8_bits_match(got[1], want_qt)
-        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want_s))
+    _fp8_bits_match(q, want_q)
+    _fp8_bits_match(q_t, want_qt)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
 
 
 @pytest.mark.gpu
 def test_gpu_swiglu_quantize_tracks_xla():
     """The Triton kernel at an expert-row shape against XLA's compile of the reference."""
     rng = np.random.default_rng(20)
-    gate_up = jnp.asarray(rng.standard_normal((4096, 1408)) * 3, jnp.bfloat16)
+    gate, up = (jnp.asarray(rng.standard_normal((4096, 704)) * 3, jnp.bfloat16) for _ in "gu")
     with pk.use_backend("triton"):
-        q, s = jax.jit(pk.swiglu_quantize)(gate_up)
-    _check_swiglu_quantized(q, s, gate_up, exact=False)
+        q, s = jax.jit(pk.swiglu_quantize)(gate, up)
+    _check_swiglu_quantized(q, s, gate, up, exact=False)
 
 
 @pytest.mark.gpu

@@ -37,8 +37,8 @@ def _loss_and_grads(remat, unroll=False):
     return value, nnx.to_flat_state(grads)
 
 
-def _saved_residuals(remat, precision=Precision.BF16, config=CONFIG) -> list[jax.Array]:
-    model = DeepseekV3(config, rngs=nnx.Rngs(4), dtype=jnp.float32, remat=remat,
+def _saved_residuals(remat, precision=Precision.BF16) -> list[jax.Array]:
+    model = DeepseekV3(CONFIG, rngs=nnx.Rngs(4), dtype=jnp.float32, remat=remat,
                        precision=precision)
     ids = jnp.zeros((2, 64), jnp.int32)
     graphdef, params = nnx.split(model)
@@ -56,13 +56,10 @@ def test_selective_regathers_the_dispatched_copies(precision):
     ``none`` and not under selective, which keeps the tokens and the order instead. The
     expert outputs, of the same shape, are kept under neither: the experts weight their
     rows, so un-sorting only sums them, which needs nothing of them in backward."""
-    # tiny's joined gate/up rows are as wide as its hidden size; another expert width
-    # tells the copies apart from them.
-    config = CONFIG.replace(moe_intermediate_size=48)
-    copies = 2 * 64 * config.num_experts_per_tok
+    copies = 2 * 64 * CONFIG.num_experts_per_tok
     def kept(remat):
-        return [x.shape for x in _saved_residuals(remat, precision, config)
-                if x.shape[-2:] == (copies, config.hidden_size)]
+        return [x.shape for x in _saved_residuals(remat, precision)
+                if x.shape[-2:] == (copies, CONFIG.hidden_size)]
     assert len(kept("none")) == 1 and len(kept("selective")) == 0
 
 

@@ -33,10 +33,10 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
     (rows,): each row's router weight (None: 1), applied before the down projection
     (the same product, by linearity, as weighting the expert's output)."""
     if precision is Precision.FP8 and x_fp8 is None:
-        # In the form a residual is kept in. Gradients reach x through the GEMM (straight
-        # through), never through the rounding.
+        # Once for both GEMMs, in the form a residual is kept in: backward keeps one FP8
+        # copy, not two. Gradients reach x through the GEMMs (straight through), never
+        # through the rounding.
         x_fp8 = as_residual(quantize_1x128(jax.lax.stop_gradient(x)))
-    # gate and up as one GEMM over the joined weights: one read of x, and one dgrad (over
-    # the joined 2I) in backward instead of two and their sum.
-    gate_up = grouped_linear(x, (weights.gate, weights.up), group_sizes, precision, x_fp8)
-    return grouped_swiglu_linear(gate_up, weights.down, group_sizes, precision, row_weights)
+    gate = grouped_linear(x, weights.gate, group_sizes, precision, x_fp8)
+    up = grouped_linear(x, weights.up, group_sizes, precision, x_fp8)
+    return grouped_swiglu_linear(gate, up, weights.down, group_sizes, precision, row_weights)

@@ -34,10 +34,9 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return linear(x, self.kernel[...], self.precision, self.dtype)
 
-    def after_swiglu(self, gate_up: jax.Array) -> jax.Array:
-        """``self(swiglu(gate_up))`` of a joined gate/up projection; in FP8 the SwiGLU output
-        is recomputed in backward."""
-        return swiglu_linear(gate_up, self.kernel[...], self.precision, self.dtype)
+    def after_swiglu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """``self(swiglu(gate, up))``; in FP8 the SwiGLU output is recomputed in backward."""
+        return swiglu_linear(gate, up, self.kernel[...], self.precision, self.dtype)
 
 
 def _inverse_rms(x32: jax.Array, eps: float) -> jax.Array:
@@ -94,7 +93,4 @@ class DenseMLP(nnx.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # gate and up as one GEMM over their joined kernels (pallas_kernels.joined).
-        joined = (self.gate_proj.kernel[...], self.up_proj.kernel[...])
-        gate_up = linear(x, joined, self.gate_proj.precision, self.gate_proj.dtype)
-        return self.down_proj.after_swiglu(gate_up)
+        return self.down_proj.after_swiglu(self.gate_proj(x), self.up_proj(x))

@@ -4,9 +4,7 @@ Kernels arrive as stored (FP32 master weights, ``(in, out)``; experts ``(E, in, 
 BF16 casts them to the compute dtype and accumulates in FP32. FP8 hands the FP32 weights to
 ``pallas_kernels``' FP8 linears, which quantize them online and return FP32 weight
 gradients; the SwiGLU and its down projection become one op that keeps the SwiGLU inputs in
-FP8 and recomputes its output in backward. A SwiGLU's gate and up projections run as one
-GEMM over their kernels joined along the output axis (``pallas_kernels.joined``): the
-SwiGLU ops take the joined (..., 2I) projection.
+FP8 and recomputes its output in backward.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from pallas_kernels import grouped_gemm
 from pallas_kernels.fp8_linear import fp8_grouped_linear, fp8_linear, fp8_swiglu_grouped_linear
-from pallas_kernels.joined import Weights, halves, join, joined_shape, parts, split_like
 from pallas_kernels.movement_reference import swiglu_fp32
 
 from moejax.memory.remat import SWIGLU_OUTPUT, tag
@@ -26,32 +23,29 @@ from moejax.precision.policy import Precision
 
 
 @jax.custom_vjp
-def swiglu(gate_up: jax.Array, row_weights: jax.Array | None = None) -> jax.Array:
-    """SiLU-gated linear unit of the joined (..., 2I) gate and up projections
-    (``pallas_kernels.joined.halves``), computed in FP32 and returned in their dtype;
-    backward keeps only the input. ``row_weights`` (rows,) scale each row (the router's
-    weight of an expert row: the MoE layer weights its experts' outputs here, inside the
-    expert, so that summing them keeps nothing for backward)."""
-    out = swiglu_fp32(gate_up)
+def swiglu(gate: jax.Array, up: jax.Array, row_weights: jax.Array | None = None) -> jax.Array:
+    """SiLU-gated linear unit, computed in FP32 and returned in the inputs' dtype; backward
+    keeps only the inputs. ``row_weights`` (rows,) scale each row (the router's weight
+    of an expert row: the MoE layer weights its experts' outputs here, inside the expert,
+    so that summing them keeps nothing for backward)."""
+    out = swiglu_fp32(gate, up)
     if row_weights is not None:
         out = out * _column(row_weights)
-    return tag(out.astype(gate_up.dtype), SWIGLU_OUTPUT)  # selective recomputes
+    return tag(out.astype(gate.dtype), SWIGLU_OUTPUT)  # selective recomputes
 
 
 def _column(row_weights: jax.Array) -> jax.Array:
     return row_weights.astype(jnp.float32)[:, None]
 
 
-def _swiglu_fwd(gate_up, row_weights):
-    return swiglu(gate_up, row_weights), (gate_up, row_weights)
+def _swiglu_fwd(gate, up, row_weights):
+    return swiglu(gate, up, row_weights), (gate, up, row_weights)
 
 
 def _swiglu_bwd(residuals, g):
-    """From the 16-bit input alone; JAX's own rule would keep the FP32 sigmoid, SiLU and
-    upcasts of every expert row (five FP32 copies per MoE layer on the GPU). The two
-    halves' gradients are written as one joined array: the gate/up GEMM's dgrad reads it."""
-    gate_up, row_weights = residuals
-    gate, up = halves(gate_up)
+    """From the 16-bit inputs alone; JAX's own rule would keep the FP32 sigmoid, SiLU and
+    upcasts of every expert row (five FP32 copies per MoE layer on the GPU)."""
+    gate, up, row_weights = residuals
     gate32, up32, g32 = (t.astype(jnp.float32) for t in (gate, up, g))
     sig = jax.nn.sigmoid(gate32)
     d_row_weights = None
@@ -59,8 +53,7 @@ def _swiglu_bwd(residuals, g):
         d_row_weights = jnp.sum(g32 * gate32 * sig * up32, axis=1).astype(row_weights.dtype)
         g32 = g32 * _column(row_weights)
     dgate = g32 * up32 * sig * (1 + gate32 * (1 - sig))
-    d_gate_up = jnp.concatenate([dgate, g32 * gate32 * sig], axis=-1)
-    return d_gate_up.astype(gate_up.dtype), d_row_weights
+    return dgate.astype(gate.dtype), (g32 * gate32 * sig).astype(up.dtype), d_row_weights
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -84,10 +77,9 @@ def dense_matmul(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype) -> jax.A
     half the BF16 rate, twice the bytes; on the small preset they were most of XLA's GEMM
     time). Here the cotangent is rounded to x's dtype once (for the head's FP32 logits,
     once more than JAX would); the weight gradient still accumulates in FP32 and comes back
-    in the kernel's dtype. ``kernel`` may be a tuple of (in, out_i) parts, multiplied as their
-    concatenation (``pallas_kernels.joined``); the gradient then comes back as parts.
+    in the kernel's dtype.
     """
-    return jnp.dot(x, join(kernel, x.dtype), preferred_element_type=jnp.float32
+    return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32
                    ).astype(out_dtype)
 
 
@@ -98,50 +90,47 @@ def _dense_matmul_fwd(x, kernel, out_dtype):
 def _dense_matmul_bwd(out_dtype, residuals, g):
     x, kernel = residuals
     g = g.astype(x.dtype)
-    dx = jnp.dot(g, join(kernel, x.dtype).T, preferred_element_type=jnp.float32)
+    dx = jnp.dot(g, kernel.astype(x.dtype).T, preferred_element_type=jnp.float32)
     dkernel = jnp.dot(_rows(x).T, _rows(g), preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), split_like(dkernel.astype(parts(kernel)[0].dtype), kernel)
+    return dx.astype(x.dtype), dkernel.astype(kernel.dtype)
 
 
 dense_matmul.defvjp(_dense_matmul_fwd, _dense_matmul_bwd)
 
 
-def linear(x: jax.Array, kernel: Weights, precision: Precision, dtype: jnp.dtype) -> jax.Array:
-    """``x @ kernel`` for x (..., in) and kernel (in, out) (or (in, out_i) parts joined along
-    out: ``pallas_kernels.joined``), returned in ``dtype``."""
+def linear(x: jax.Array, kernel: jax.Array, precision: Precision, dtype: jnp.dtype) -> jax.Array:
+    """``x @ kernel`` for x (..., in) and kernel (in, out), returned in ``dtype``."""
     x = x.astype(dtype)
     if precision is Precision.FP8:
-        return fp8_linear(_rows(x), kernel).reshape(*x.shape[:-1], joined_shape(kernel)[1])
+        return fp8_linear(_rows(x), kernel).reshape(*x.shape[:-1], kernel.shape[1])
     return dense_matmul(x, kernel, dtype)
 
 
-def swiglu_linear(gate_up: jax.Array, kernel: jax.Array, precision: Precision,
+def swiglu_linear(gate: jax.Array, up: jax.Array, kernel: jax.Array, precision: Precision,
                   dtype: jnp.dtype) -> jax.Array:
-    """``swiglu(gate_up) @ kernel`` (a SwiGLU MLP's down projection; gate_up joined)."""
+    """``swiglu(gate, up) @ kernel`` (a SwiGLU MLP's down projection)."""
     if precision is Precision.FP8:
-        h = _rows(gate_up.astype(dtype))
-        y = fp8_swiglu_grouped_linear(h, kernel[None], _one_group(h))
-        return y.reshape(*gate_up.shape[:-1], kernel.shape[1])
-    return linear(swiglu(gate_up), kernel, precision, dtype)
+        g, u = _rows(gate.astype(dtype)), _rows(up.astype(dtype))
+        y = fp8_swiglu_grouped_linear(g, u, kernel[None], _one_group(g))
+        return y.reshape(*gate.shape[:-1], kernel.shape[1])
+    return linear(swiglu(gate, up), kernel, precision, dtype)
 
 
-def grouped_linear(x: jax.Array, w: Weights, group_sizes: jax.Array,
+def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                    precision: Precision, x_fp8: Any = None) -> jax.Array:
-    """Row r of group g: ``x[r] @ w[g]``; x (M, in), w (G, in, out) (or (G, in, out_i) parts
-    joined along out), in x's dtype. ``x_fp8``: x's ``quantize_1x128`` in
-    ``pallas_kernels.quantize.as_residual`` form when it exists already (FP8 uses it; BF16
-    ignores it)."""
+    """Row r of group g: ``x[r] @ w[g]``; x (M, in), w (G, in, out), in x's dtype.
+    ``x_fp8``: x's ``quantize_1x128`` in ``pallas_kernels.quantize.as_residual`` form when
+    it exists already (FP8 uses it; BF16 ignores it)."""
     if precision is Precision.FP8:
         return fp8_grouped_linear(x, w, group_sizes, x_fp8)
     return grouped_gemm(x, w, group_sizes)
 
 
-def grouped_swiglu_linear(gate_up: jax.Array, w: jax.Array, group_sizes: jax.Array,
+def grouped_swiglu_linear(gate: jax.Array, up: jax.Array, w: jax.Array, group_sizes: jax.Array,
                           precision: Precision, row_weights: jax.Array | None = None
                           ) -> jax.Array:
-    """Row r of group g: ``swiglu(gate_up, row_weights)[r] @ w[g]`` (the routed experts'
-    down projection of the joined gate/up rows, each row weighted by its router weight
-    where given)."""
+    """Row r of group g: ``swiglu(gate, up, row_weights)[r] @ w[g]`` (the routed experts'
+    down projection, each row weighted by its router weight where given)."""
     if precision is Precision.FP8:
-        return fp8_swiglu_grouped_linear(gate_up, w, group_sizes, row_weights)
-    return grouped_linear(swiglu(gate_up, row_weights), w, group_sizes, precision)
+        return fp8_swiglu_grouped_linear(gate, up, w, group_sizes, row_weights)
+    return grouped_linear(swiglu(gate, up, row_weights), w, group_sizes, precision)
