@@ -1,7 +1,7 @@
 """GEMM benchmark: our Pallas kernels vs XLA, JAX's Mosaic GPU example and torch.
 
-    python -m experiments.bench_gemm [--quick] [--tune] [--only dense|grouped|fp8_wgrad]
-        [--json PATH]
+    python -m experiments.bench_gemm [--quick] [--tune]
+        [--only dense|grouped|small_grouped|fp8_wgrad|small_fp8] [--groups G] [--json PATH]
 
 "ours" is the public op on the backend `pallas_kernels.backend()` picks (on an H100:
 the Mosaic GPU WGMMA kernels for all block-scaled FP8 GEMMs, the FP8 wgrad on tokens in
@@ -34,6 +34,10 @@ PEAK_BW = 3.35e12  # HBM3 datasheet bytes/s
 M_DENSE = 8192
 DENSE_NK = [(8192, 8192), (2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048)]
 GROUPED = [(8, 32768, 7168, 4096), (8, 32768, 2048, 7168), (64, 65536, 2048, 1408)]
+# The `small` preset's expert GEMMs as its training step runs them (--only small_grouped):
+# 16 x 1024 tokens x top-6 rows over 64 experts, gate/up (1024 -> 704) and down (704 -> 1024).
+SMALL_GROUPED = [(64, 98304, 1024, 704), (64, 98304, 704, 1024)]
+GROUPED_TABLES = ("grouped", "small_grouped")
 
 
 def dense_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
@@ -48,10 +52,15 @@ def dense_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def grouped_shapes(quick: bool, groups: int | None) -> list[tuple[int, int, int, int]]:
-    """The grouped (G, rows, K, N) shapes to run: the first only with quick, those of G
-    groups only with groups (a device call's time limit fits two of them with torch's)."""
-    shapes = GROUPED[:1] if quick else GROUPED
+def grouped_shapes(quick: bool, groups: int | None, only: str | None
+                   ) -> list[tuple[int, int, int, int]]:
+    """The grouped (G, rows, K, N) shapes to run: none for the dense table, the small
+    preset's for its own table; the first only with quick, those of G groups only with
+    groups (a device call's time limit fits two of them with torch's)."""
+    if only == "dense":
+        return []
+    shapes = SMALL_GROUPED if only == "small_grouped" else GROUPED
+    shapes = shapes[:1] if quick else shapes
     return [s for s in shapes if groups is None or s[0] == groups]
 
 
@@ -102,7 +111,7 @@ def torch_worker(quick: bool, only: str | None, groups: int | None) -> dict[str,
         s = t.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
         return (t / s[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k), s
 
-    for name, m, n, k in [] if only == "grouped" else dense_shapes(quick):
+    for name, m, n, k in [] if only in GROUPED_TABLES else dense_shapes(quick):
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         timed(f"cublas_bf16/{name}/{m}x{n}x{k}", lambda: a @ w.t())
@@ -118,7 +127,7 @@ def torch_worker(quick: bool, only: str | None, groups: int | None) -> dict[str,
         except Exception as e:
             res[f"cublaslt_fp8_block/{name}/{m}x{n}x{k}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
         del a, w
-    for g, rows, k, n in [] if only == "dense" else grouped_shapes(quick, groups):
+    for g, rows, k, n in grouped_shapes(quick, groups, only):
         sizes = torch.tensor(group_sizes(g, rows), device=dev)
         offs = torch.cumsum(sizes, 0).to(torch.int32)
         x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
@@ -227,7 +236,7 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None,
         return time_or_failure(fns[name])
 
     rows: list[Row] = []
-    for name, m, n, k in [] if only in ("grouped", "fp8_wgrad") else dense_shapes(quick):
+    for name, m, n, k in [] if only in (*GROUPED_TABLES, "fp8_wgrad") else dense_shapes(quick):
         shape = f"{m}x{n}x{k}"
         a = jax.random.normal(next(key), (m, k), jnp.bfloat16)
         w = jax.random.normal(next(key), (n, k), jnp.bfloat16)
@@ -252,7 +261,7 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None,
         del a, w, aq, wq
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    for g, rows_, k, n in [] if only == "dense" else grouped_shapes(quick, groups):
+    for g, rows_, k, n in grouped_shapes(quick, groups, only):
         gkey = f"{g}x{rows_}x{k}->{n}"
         sizes = jnp.asarray(group_sizes(g, rows_))
         x = jax.random.normal(next(key), (rows_, k), jnp.bfloat16)
@@ -490,11 +499,12 @@ def main() -> None:
     ap.add_argument("--torch-worker", action="store_true")
     ap.add_argument("--quick", action="store_true", help="first shapes only")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs first")
-    ap.add_argument("--only", choices=("dense", "grouped", "fp8_wgrad", "small_fp8"),
+    ap.add_argument("--only", choices=("dense", *GROUPED_TABLES, "fp8_wgrad", "small_fp8"),
                     default=None,
                     help="one table only (each fits one device call); fp8_wgrad: the grouped "
-                         "FP8 wgrad rows alone; small_fp8: the small preset's FP8 GEMMs that "
-                         "split-K and the chained short-K ring changed")
+                         "FP8 wgrad rows alone; small_grouped: the grouped table on the small "
+                         "preset's expert shapes; small_fp8: the small preset's FP8 GEMMs "
+                         "that split-K and the chained short-K ring changed")
     ap.add_argument("--groups", type=int, default=None,
                     help="only the grouped shapes of this many groups (8 or 64)")
     ap.add_argument("--json", default=None)
