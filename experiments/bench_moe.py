@@ -127,6 +127,37 @@ def bench_one(expert: int, transport: str, token_format: str,
     }
 
 
+def measure_and_print(sizes: list[int], transports: list[str], formats: list[str],
+                     args: argparse.Namespace) -> None:
+    """Runs every configuration and prints its row as soon as it is measured (process 0),
+    so a run cut off by a time limit still reports what it finished."""
+    lead = jax.process_index() == 0
+    if lead:
+        print(f"# {jax.devices()[0].device_kind} x{jax.device_count()}, "
+              f"{jax.process_count()} process(es), preset {args.preset}, "
+              f"{args.tokens_per_device} tokens/device, {args.dtype} compute, "
+              f"{args.precision} expert GEMMs")
+        print(f"{'expert':>6} {'transport':>9} {'tokens':>7} {'layer ms':>9} {'tok/s/dev':>11} "
+              f"{'vs first':>8} {'exch ms':>8} {'exch GB/s':>9} {'raw a2a GB/s':>12} "
+              f"{'exch/raw':>8} {'comm ms':>8} {'gemm ms':>8} {'move ms':>8} {'exposed':>8}",
+              flush=True)
+    base = None
+    for e in sizes:
+        for t, f in ([(t, f) for t in transports for f in formats] if e > 1 else [("-", "compute")]):
+            print(f"[process {jax.process_index()}] expert={e} transport={t} tokens={f} ...",
+                  file=sys.stderr, flush=True)
+            r = bench_one(e, t, f, args)
+            base = base or r["tokens_per_s_per_device"]
+            if lead:
+                print(f"{r['expert']:>6} {r['transport']:>9} {r['tokens']:>7} "
+                      f"{r['layer_ms']:>9.2f} {r['tokens_per_s_per_device']:>11.0f} "
+                      f"{r['tokens_per_s_per_device'] / base:>8.2f} {r['exchange_ms']:>8.2f} "
+                      f"{r['exchange_GBps']:>9.1f} {r['raw_a2a_GBps']:>12.1f} "
+                      f"{r['exchange_GBps'] / r['raw_a2a_GBps']:>8.2f} {r['comm_ms']:>8.2f} "
+                      f"{r['gemm_ms']:>8.2f} {r['movement_ms']:>8.2f} "
+                      f"{r['exposed_comm_ms']:>8.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small", help="model preset whose MoE shapes to use")
@@ -166,28 +197,7 @@ def main() -> None:
     for f in formats:
         if f not in ("compute", "fp8"):
             parser.error(f"--token-formats: {f!r} is not one of compute, fp8")
-    rows = []
-    for e in sizes:
-        for t, f in ([(t, f) for t in transports for f in formats] if e > 1 else [("-", "compute")]):
-            print(f"[process {jax.process_index()}] expert={e} transport={t} tokens={f} ...",
-                  file=sys.stderr, flush=True)
-            rows.append(bench_one(e, t, f, args))
-    if jax.process_index() != 0:
-        return
-    print(f"# {jax.devices()[0].device_kind} x{devices}, {jax.process_count()} process(es), "
-          f"preset {args.preset}, {args.tokens_per_device} tokens/device, {args.dtype} compute, "
-          f"{args.precision} expert GEMMs")
-    base = rows[0]["tokens_per_s_per_device"]
-    print(f"{'expert':>6} {'transport':>9} {'tokens':>7} {'layer ms':>9} {'tok/s/dev':>11} {'vs e=1':>7} "
-          f"{'exch ms':>8} {'exch GB/s':>9} {'raw a2a GB/s':>12} {'exch/raw':>8} "
-          f"{'comm ms':>8} {'gemm ms':>8} {'move ms':>8} {'exposed':>8}")
-    for r in rows:
-        print(f"{r['expert']:>6} {r['transport']:>9} {r['tokens']:>7} {r['layer_ms']:>9.2f} "
-              f"{r['tokens_per_s_per_device']:>11.0f} "
-              f"{r['tokens_per_s_per_device'] / base:>7.2f} {r['exchange_ms']:>8.2f} "
-              f"{r['exchange_GBps']:>9.1f} {r['raw_a2a_GBps']:>12.1f} "
-              f"{r['exchange_GBps'] / r['raw_a2a_GBps']:>8.2f} {r['comm_ms']:>8.2f} "
-              f"{r['gemm_ms']:>8.2f} {r['movement_ms']:>8.2f} {r['exposed_comm_ms']:>8.2f}")
+    measure_and_print(sizes, transports, formats, args)
 
 
 if __name__ == "__main__":
