@@ -22,7 +22,9 @@ and combine; an FP8 dispatch moves T*k*(H + 4H/128) bytes); the raw all_to_all m
 compute-dtype buffer once each way. With
 ``--profile`` the layer's device time is split from a trace (``moejax.profiling``): busy time
 of communication, GEMM and data-movement kernels, and the communication left exposed (no
-other kernel running beside it).
+other kernel running beside it), and the device's idle time inside the call (its wall time
+less the union of its kernels: host round trips, such as the one XLA's NCCL path of
+``ragged_all_to_all`` makes to read the slice offsets, and launch gaps).
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ def bench_one(expert: int, transport: str, token_format: str,
         "gemm_ms": split.busy_ms["gemm"] if split else nan,
         "movement_ms": split.busy_ms["movement"] if split else nan,
         "exposed_comm_ms": split.exposed_communication_ms if split else nan,
+        "idle_ms": 1e3 * t_layer - split.total_busy_ms if split else nan,
         "tokens_per_s_per_device": args.tokens_per_device / t_layer,
         "exchange_ms": 1e3 * t_exchange, "raw_a2a_ms": 1e3 * t_raw,
         # dispatch + combine move the copies twice; the raw all_to_all moves them once
@@ -139,7 +142,8 @@ def measure_and_print(sizes: list[int], transports: list[str], formats: list[str
               f"{args.precision} expert GEMMs")
         print(f"{'expert':>6} {'transport':>9} {'tokens':>7} {'layer ms':>9} {'tok/s/dev':>11} "
               f"{'vs first':>8} {'exch ms':>8} {'exch GB/s':>9} {'raw a2a GB/s':>12} "
-              f"{'exch/raw':>8} {'comm ms':>8} {'gemm ms':>8} {'move ms':>8} {'exposed':>8}",
+              f"{'exch/raw':>8} {'comm ms':>8} {'gemm ms':>8} {'move ms':>8} {'exposed':>8} "
+              f"{'idle ms':>8}",
               flush=True)
     base = None
     for e in sizes:
@@ -155,7 +159,7 @@ def measure_and_print(sizes: list[int], transports: list[str], formats: list[str
                       f"{r['exchange_GBps']:>9.1f} {r['raw_a2a_GBps']:>12.1f} "
                       f"{r['exchange_GBps'] / r['raw_a2a_GBps']:>8.2f} {r['comm_ms']:>8.2f} "
                       f"{r['gemm_ms']:>8.2f} {r['movement_ms']:>8.2f} "
-                      f"{r['exposed_comm_ms']:>8.2f}", flush=True)
+                      f"{r['exposed_comm_ms']:>8.2f} {r['idle_ms']:>8.2f}", flush=True)
 
 
 def main() -> None:
