@@ -70,12 +70,22 @@ def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, out
     return jnp.where(covers.any(axis=1)[:, None], received, output)
 
 
-@pytest.mark.parametrize("axes", [dict(expert=8), dict(data=2, expert=4)])
-def test_ragged_transport_matches_single_device(moe, axes, monkeypatch):
+@pytest.mark.parametrize("axes,piece_bytes", [(dict(expert=8), None),
+                                              (dict(data=2, expert=4), None),
+                                              (dict(expert=8), 256)])
+def test_ragged_transport_matches_single_device(moe, axes, piece_bytes, monkeypatch):
     """The ragged plan (slices landing expert-major, returned to where they came from),
     checked on CPU through an all_gather emulation of ragged_all_to_all: values, counts and
-    gradients equal the single-device layer."""
+    gradients equal the single-device layer. ``piece_bytes``: slices cut into many pieces
+    (these shapes' default is one piece a slice)."""
     monkeypatch.setattr(expert_module.jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_gather)
+    if piece_bytes is not None:
+        monkeypatch.setattr(expert_module, "RAGGED_PIECE_BYTES", piece_bytes)
+        ep = axes["expert"]
+        transport = expert_module.make_transport(
+            ExpertParallelOptions(transport="ragged"), ep, ("expert",), 8 * 6 // ep,
+            CONFIG.num_experts_per_tok, CONFIG.n_routed_experts)
+        assert transport.pieces(CONFIG.hidden_size * 4) > 1  # the rows of these shapes are cut
     x, bias = _inputs(5 + sum(axes.values()))
 
     def loss(m, a):
@@ -117,6 +127,19 @@ def test_ragged_plan_lands_slices_expert_major():
         np.testing.assert_array_equal(got, expected)
         np.testing.assert_array_equal(plans[dest].group_sizes,
                                       counts[:, dest * num_local:(dest + 1) * num_local].sum(0))
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 8])
+def test_cut_into_pieces_tiles_every_slice(pieces):
+    """Pieces cover each slice exactly once, in order, whatever its size (0 and sizes below
+    ``pieces`` included)."""
+    sizes = jnp.asarray([0, 1, 2, 7, 8, 29], jnp.int32)
+    within, piece_sizes = expert_module.cut_into_pieces(sizes, pieces)
+    within = np.asarray(within).reshape(len(sizes), pieces)
+    piece_sizes = np.asarray(piece_sizes).reshape(len(sizes), pieces)
+    for n, starts, lengths in zip(np.asarray(sizes), within, piece_sizes):
+        covered = np.concatenate([np.arange(a, a + b) for a, b in zip(starts, lengths)])
+        np.testing.assert_array_equal(covered, np.arange(n))
 
 
 def test_capacity_factor_drops_and_counts(moe):

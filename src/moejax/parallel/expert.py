@@ -14,7 +14,9 @@ transports share that flow:
   (device, expert), each landing where the receiver's grouped GEMM wants it, so the
   receiver never sorts (GPU/TPU only; not implemented on XLA:CPU). Dropless; the receive
   buffer holds the worst case, ep*T*min(k, E/ep) rows; the grouped GEMM computes only the
-  received rows.
+  received rows. Each slice is cut into pieces of about ``RAGGED_PIECE_BYTES``: XLA's
+  one-process GPU kernel for it copies slice by slice, 2.6 GB/s for one 50 MB slice and
+  as fast as ``all_to_all`` at 512 slices a peer (``experiments.bench_exchange``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", EXPERT_AXIS)  # mesh axes the token batch is sharded over
 TRANSPORTS = ("auto", "padded", "ragged")
 TOKEN_FORMATS = ("compute", "fp8")
+# ragged_all_to_all pieces: on 2 x H100 (jax 0.11.2, one process) 100 MB a device moved at
+# 61 GB/s in 32 slices a peer, 139 in 128, 171 in 512 (96 KB each; all_to_all: 174) and
+# 154 in 2048 (docs/performance.md, 2026-11-25 session 32).
+RAGGED_PIECE_BYTES = 64 * 1024
+RAGGED_MAX_PIECES_PER_PEER = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +250,15 @@ class RaggedPlan(NamedTuple):
     group_sizes: jax.Array  # (nl,) rows per local expert
 
 
+def cut_into_pieces(sizes: jax.Array, pieces: int) -> tuple[jax.Array, jax.Array]:
+    """Each slice of n rows cut into ``pieces`` consecutive pieces at ``c*n // pieces``:
+    every piece's start within its slice and its size, slice-major (slice s, piece c at
+    ``s*pieces + c``). Both ends of an exchange cut a slice of the same n alike, so the
+    pieces pair up and land in order."""
+    bounds = sizes[:, None] * jnp.arange(pieces + 1, dtype=sizes.dtype) // pieces
+    return bounds[:, :-1].reshape(-1), jnp.diff(bounds, axis=1).reshape(-1)
+
+
 def ragged_plan(counts: jax.Array, me: jax.Array) -> RaggedPlan:
     """The exchange plan on device ``me`` from every device's per-expert counts (ep, E)."""
     ep, experts = counts.shape
@@ -276,6 +292,26 @@ class _Ragged(_Transport):
     batch_axes: tuple[str, ...]  # the receive buffers vary over these, like the tokens
     num_rows: int  # token copies each device sends (T*k)
     recv_rows: int  # the most copies a device can receive (every source's worst case)
+    num_experts: int
+
+    def pieces(self, row_bytes: int) -> int:
+        """Pieces per (device, expert) slice for rows of ``row_bytes``: an even routing's
+        slice cut to about ``RAGGED_PIECE_BYTES``, at most ``RAGGED_MAX_PIECES_PER_PEER``
+        slices a peer."""
+        slice_bytes = self.num_rows / self.num_experts * row_bytes
+        most = max(1, RAGGED_MAX_PIECES_PER_PEER * self.ep // self.num_experts)
+        return min(most, max(1, math.ceil(slice_bytes / RAGGED_PIECE_BYTES)))
+
+    def move(self, rows: jax.Array, output: jax.Array, starts: jax.Array, sizes: jax.Array,
+             lands: jax.Array, recv_sizes: jax.Array) -> jax.Array:
+        """``ragged_all_to_all`` of the slices (``starts``, ``sizes``) of ``rows`` to
+        ``lands`` on their receivers, each slice cut into ``pieces`` of its row size."""
+        pieces = self.pieces(math.prod(rows.shape[1:]) * rows.dtype.itemsize)
+        within, piece_sizes = cut_into_pieces(sizes, pieces)
+        return jax.lax.ragged_all_to_all(
+            rows, output, jnp.repeat(starts, pieces) + within, piece_sizes,
+            jnp.repeat(lands, pieces) + within, cut_into_pieces(recv_sizes, pieces)[1],
+            axis_name=EXPERT_AXIS)
 
     def prepare(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Outbound:
         """Rows are sorted by expert: every device's counts (one small all_gather) say
@@ -289,9 +325,8 @@ class _Ragged(_Transport):
                  ) -> tuple[jax.Array, None]:
         buffer = varying_over(jnp.zeros((self.recv_rows, *rows.shape[1:]), rows.dtype),
                               self.batch_axes)
-        return jax.lax.ragged_all_to_all(rows, buffer, plan.send_offsets, plan.send_sizes,
-                                         plan.land_offsets, plan.recv_sizes,
-                                         axis_name=EXPERT_AXIS), None
+        return self.move(rows, buffer, plan.send_offsets, plan.send_sizes, plan.land_offsets,
+                         plan.recv_sizes), None
 
     def arrange(self, tokens: jax.Array, labels: None, plan: RaggedPlan, dropped: jax.Array
                 ) -> Received:
@@ -311,9 +346,8 @@ class _Ragged(_Transport):
 
     def exchange_back(self, y: jax.Array, plan: RaggedPlan) -> jax.Array:
         output = varying_over(jnp.zeros((self.num_rows, y.shape[1]), y.dtype), self.batch_axes)
-        return jax.lax.ragged_all_to_all(y, output, plan.recv_offsets, plan.recv_sizes,
-                                         plan.return_offsets, plan.send_sizes,
-                                         axis_name=EXPERT_AXIS)
+        return self.move(y, output, plan.recv_offsets, plan.recv_sizes, plan.return_offsets,
+                         plan.send_sizes)
 
     def finish(self, back: jax.Array, plan: RaggedPlan) -> jax.Array:
         return back
@@ -337,7 +371,7 @@ def make_transport(options: ExpertParallelOptions, ep: int, batch_axes: tuple[st
     per device."""
     bound = dropless_copies_to_one_device(tokens, top_k, num_experts, ep)
     if options.resolved_transport() == "ragged":
-        return _Ragged(ep, batch_axes, tokens * top_k, ep * bound)
+        return _Ragged(ep, batch_axes, tokens * top_k, ep * bound, num_experts)
     capacity = bound if options.capacity_factor is None else max(
         1, math.ceil(options.capacity_factor * tokens * top_k / ep))
     return _Padded(capacity, ep, num_experts // ep)
