@@ -378,24 +378,15 @@ def make_transport(options: ExpertParallelOptions, ep: int, batch_axes: tuple[st
 
 
 def _pack_fp8(tokens: jax.Array, scales: jax.Array) -> jax.Array:
-    """FP8 rows and their FP32 scales as one row each, so one exchange moves both; as 32-bit
-    words where the row's bytes allow (XLA's one-process ragged_all_to_all kernel copies
-    element by element: bytes moved at about half the rate of the BF16 rows they stand
-    for, docs/performance.md 2026-11-25 session 32)."""
+    """FP8 rows and their FP32 scales as one byte row each, so one exchange moves both."""
     scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(scales.shape[0], -1)
-    packed = jnp.concatenate([jax.lax.bitcast_convert_type(tokens, jnp.uint8), scale_bytes], 1)
-    if packed.shape[1] % 4:
-        return packed
-    return jax.lax.bitcast_convert_type(packed.reshape(packed.shape[0], -1, 4), jnp.uint32)
+    return jnp.concatenate([jax.lax.bitcast_convert_type(tokens, jnp.uint8), scale_bytes], 1)
 
 
 def _unpack_fp8(packed: jax.Array, hidden: int, dtype: jnp.dtype
                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Arrived rows (``_pack_fp8``'s) -> (dequantized rows in ``dtype``, (FP8 values, 1x128
-    scales) in the ``as_residual`` form the FP8 GEMMs take: the values stay the bytes that
-    arrived)."""
-    if packed.dtype != jnp.uint8:
-        packed = jax.lax.bitcast_convert_type(packed, jnp.uint8).reshape(packed.shape[0], -1)
+    """Arrived byte rows -> (dequantized rows in ``dtype``, (FP8 values, 1x128 scales) in
+    the ``as_residual`` form the FP8 GEMMs take: the values stay the bytes that arrived)."""
     scale_bytes = packed[:, hidden:].reshape(packed.shape[0], -1, 4)
     kept = packed[:, :hidden], jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
     return pallas_kernels.dequantize(*from_residual(kept), 1).astype(dtype), kept
