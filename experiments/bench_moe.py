@@ -23,8 +23,8 @@ compute-dtype buffer once each way. With
 ``--profile`` the layer's device time is split from a trace (``moejax.profiling``): busy time
 of communication, GEMM and data-movement kernels, and the communication left exposed (no
 other kernel running beside it), and the device's idle time inside the call (its wall time
-less the union of its kernels: host round trips, such as the one XLA's NCCL path of
-``ragged_all_to_all`` makes to read the slice offsets, and launch gaps).
+less the union of its kernels: host round trips and launch gaps); each row is followed
+by the kernels with the most device time in one call.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ from moejax import profiling
 from moejax.parallel import distributed
 from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.precision import PRECISIONS, Precision
+
+
+PROFILED_CALLS = 3  # layer calls in each --profile trace
 
 
 def _identity_experts(rows, group_sizes, weights, rows_fp8,  # noqa: ARG001 - RunExperts
@@ -105,9 +108,14 @@ def bench_one(expert: int, transport: str, token_format: str,
         t_exchange = (profiling.median_seconds(lambda: exchange(params, x), args.repeats)
                       if expert > 1 else float("nan"))
         t_raw = profiling.median_seconds(lambda: raw(buffer), 4 * args.repeats) if expert > 1 else float("nan")
-        split = (profiling.profile(lambda: fwd_bwd(params, x),
-                                   f"{args.profile}/expert{expert}_{transport}_{token_format}")
-                 if args.profile and jax.default_backend() != "cpu" else None)
+        split, top = None, []
+        if args.profile and jax.default_backend() != "cpu":
+            trace_dir = f"{args.profile}/expert{expert}_{transport}_{token_format}"
+            split = profiling.profile(lambda: fwd_bwd(params, x), trace_dir, PROFILED_CALLS)
+            events = profiling.load_kernel_events(trace_dir)
+            first = min(e.device for e in events)  # the device the split is of
+            top = [(name, category, us / PROFILED_CALLS) for name, category, us in
+                   profiling.top_kernels([e for e in events if e.device == first], 10)]
     bytes_one_way = rows * hidden * dtype.itemsize  # per device, what combine sends back
     # FP8 dispatch sends one byte per element plus a 4-byte scale per 128 of them
     dispatch_bytes = (rows * (hidden + 4 * -(-hidden // 128)) if token_format == "fp8"
@@ -127,6 +135,7 @@ def bench_one(expert: int, transport: str, token_format: str,
         # dispatch + combine move the copies twice; the raw all_to_all moves them once
         "exchange_GBps": (dispatch_bytes + bytes_one_way) / t_exchange / 1e9,
         "raw_a2a_GBps": bytes_one_way / t_raw / 1e9,
+        "top_kernels": top,
     }
 
 
@@ -160,6 +169,8 @@ def measure_and_print(sizes: list[int], transports: list[str], formats: list[str
                       f"{r['exchange_GBps'] / r['raw_a2a_GBps']:>8.2f} {r['comm_ms']:>8.2f} "
                       f"{r['gemm_ms']:>8.2f} {r['movement_ms']:>8.2f} "
                       f"{r['exposed_comm_ms']:>8.2f} {r['idle_ms']:>8.2f}", flush=True)
+                for name, category, us in r["top_kernels"]:
+                    print(f"#   {us:>8.1f} us/call  {category:<13} {name}", flush=True)
 
 
 def main() -> None:
