@@ -70,22 +70,22 @@ def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, out
     return jnp.where(covers.any(axis=1)[:, None], received, output)
 
 
-@pytest.mark.parametrize("axes,piece_bytes", [(dict(expert=8), None),
-                                              (dict(data=2, expert=4), None),
-                                              (dict(expert=8), 256)])
-def test_ragged_transport_matches_single_device(moe, axes, piece_bytes, monkeypatch):
-    """The ragged plan (slices landing expert-major, returned to where they came from),
-    checked on CPU through an all_gather emulation of ragged_all_to_all: values, counts and
-    gradients equal the single-device layer. ``piece_bytes``: slices cut into many pieces
+@pytest.mark.parametrize("axes,piece_bytes,transport", [
+    (dict(expert=8), None, "ragged"), (dict(data=2, expert=4), None, "ragged"),
+    (dict(expert=8), 256, "ragged"), (dict(data=2, expert=4), None, "padded")])
+def test_transport_matches_single_device(moe, axes, piece_bytes, transport, monkeypatch):
+    """Values, counts and gradients equal the single-device layer. The ragged plan (slices
+    landing expert-major, returned to where they came from) runs on CPU through an
+    all_gather emulation of ragged_all_to_all; ``piece_bytes``: slices cut into many pieces
     (these shapes' default is one piece a slice)."""
     monkeypatch.setattr(expert_module.jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_gather)
     if piece_bytes is not None:
         monkeypatch.setattr(expert_module, "RAGGED_PIECE_BYTES", piece_bytes)
         ep = axes["expert"]
-        transport = expert_module.make_transport(
+        ragged = expert_module.make_transport(
             ExpertParallelOptions(transport="ragged"), ep, ("expert",), 8 * 6 // ep,
             CONFIG.num_experts_per_tok, CONFIG.n_routed_experts)
-        assert transport.pieces(CONFIG.hidden_size * 4) > 1  # the rows of these shapes are cut
+        assert ragged.pieces(CONFIG.hidden_size * 4) > 1  # the rows of these shapes are cut
     x, bias = _inputs(5 + sum(axes.values()))
 
     def loss(m, a):
@@ -95,7 +95,7 @@ def test_ragged_transport_matches_single_device(moe, axes, piece_bytes, monkeypa
     step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
     (ref, ref_counts), ref_grads = step(moe, x)
     with jax.set_mesh(_mesh(**axes)), expert_parallel_options(
-            ExpertParallelOptions(transport="ragged")):
+            ExpertParallelOptions(transport=transport)):
         (got, got_counts), got_grads = step(moe, x)
     np.testing.assert_allclose(got, ref, rtol=2e-5)
     np.testing.assert_array_equal(got_counts, ref_counts)
@@ -140,6 +140,25 @@ def test_cut_into_pieces_tiles_every_slice(pieces):
     for n, starts, lengths in zip(np.asarray(sizes), within, piece_sizes):
         covered = np.concatenate([np.arange(a, a + b) for a, b in zip(starts, lengths)])
         np.testing.assert_array_equal(covered, np.arange(n))
+
+
+def test_take_rows_gradient_is_autodiffs():
+    """take_rows' gather-by-inverse backward equals autodiff's scatter-add transpose of the
+    same gather, with rows taken nowhere (dropped) and slots taking no row (padding)."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((10, 3)), jnp.float32)
+    index = np.full(14, 10)  # 14 slots, out of range: padding
+    slots = rng.permutation(14)[:8]
+    index[slots] = rng.permutation(10)[:8]  # 8 of the 10 rows placed, 2 dropped
+    inverse = np.full(10, 14)
+    inverse[index[slots]] = slots
+    g = jnp.asarray(rng.standard_normal((14, 3)), jnp.float32)
+    got, vjp = jax.vjp(lambda a: expert_module.take_rows(a, jnp.asarray(index),
+                                                         jnp.asarray(inverse)), x)
+    ref, ref_vjp = jax.vjp(lambda a: jnp.take(a, jnp.asarray(index), axis=0, mode="fill",
+                                              fill_value=0), x)
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(vjp(g)[0], ref_vjp(g)[0])
 
 
 def test_capacity_factor_drops_and_counts(moe):

@@ -172,12 +172,37 @@ class _Transport:
         return self.arrange_alongside(column, context)[:, 0]
 
 
+@jax.custom_vjp
+def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """Rows of ``x`` at ``index`` (zeros where an index is out of range), for an ``index``
+    that takes each row at most once; ``inverse`` says where each row of ``x`` went (out
+    of range: nowhere). Its transpose is then the gather by ``inverse``, where autodiff
+    would scatter-add (the padded layer's scatters, its own and autodiff's, were 2.8 ms of
+    its 5.1 ms of data movement on an H100: docs/performance.md, 2026-11-25 session 32)."""
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x, index, inverse):
+    return take_rows(x, index, inverse), (index, inverse)
+
+
+def _take_rows_bwd(residuals, g):
+    index, inverse = residuals
+    return take_rows(g, inverse, index), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Padded(_Transport):
     """Fixed-capacity all_to_all: row ``dest*C + slot`` of the buffer goes to ``dest``.
 
     Rows arrive source-major with a fixed C per source, so the receiver sorts them by
-    local expert before the grouped GEMM and undoes that sort before sending back.
+    local expert before the grouped GEMM and undoes that sort before sending back. Every
+    placement is a gather both ways (``take_rows``): the sender's context holds, for each
+    row, its buffer slot (``index``; ep*C if dropped) and, for each slot, its row
+    (``source``; T*k for padding).
     """
 
     capacity: int
@@ -185,23 +210,25 @@ class _Padded(_Transport):
     num_local: int  # experts per device
 
     def prepare(self, rows: jax.Array, experts: jax.Array, counts: jax.Array) -> Outbound:
-        num_local = self.num_local
+        num_local, capacity, n = self.num_local, self.capacity, rows.shape[0]
         dest = experts // num_local
         per_dest = counts.reshape(self.ep, num_local).sum(axis=1)
-        slot = jnp.arange(rows.shape[0]) - _exclusive_cumsum(per_dest)[dest]
-        keep = slot < self.capacity
-        size = self.ep * self.capacity
-        index = jnp.where(keep, dest * self.capacity + slot, size)  # size: dropped
-        ids = jnp.full((size,), num_local, jnp.int32).at[index].set(experts % num_local,
-                                                                    mode="drop")
-        return Outbound(self.lay_out(rows, (index, keep)), ids, (index, keep),
-                        rows.shape[0] - keep.sum(dtype=jnp.int32))
+        first = _exclusive_cumsum(per_dest)  # rows are sorted by expert, so by destination
+        slot = jnp.arange(n) - first[dest]
+        keep = slot < capacity
+        size = self.ep * capacity
+        index = jnp.where(keep, dest * capacity + slot, size)
+        slot_dest, slot_of = jnp.divmod(jnp.arange(size), capacity)
+        source = jnp.where(slot_of < per_dest[slot_dest], first[slot_dest] + slot_of, n)
+        ids = jnp.where(source < n, experts[jnp.minimum(source, n - 1)] % num_local, num_local)
+        context = (index, source)
+        return Outbound(self.lay_out(rows, context), ids.astype(jnp.int32), context,
+                        n - keep.sum(dtype=jnp.int32))
 
     def lay_out(self, rows: jax.Array, context: tuple) -> jax.Array:
         """Rows (or per-row values, (rows, ...)) placed in the send buffer."""
-        index, _ = context
-        buffer = jnp.zeros((self.ep * self.capacity, *rows.shape[1:]), rows.dtype)
-        return buffer.at[index].set(rows, mode="drop")
+        index, source = context
+        return take_rows(rows, source, index)
 
     def exchange(self, rows: jax.Array, labels: jax.Array | None, context: tuple
                  ) -> tuple[jax.Array, jax.Array | None]:
@@ -209,28 +236,32 @@ class _Padded(_Transport):
 
     def arrange(self, tokens: jax.Array, ids: jax.Array, context: tuple, dropped: jax.Array
                 ) -> Received:
-        order = jnp.argsort(ids, stable=True)  # padding (id num_local) sorts last
-        group_sizes = jnp.bincount(ids, length=self.num_local).astype(jnp.int32)
-        return Received(tokens[order], group_sizes, (order, *context), dropped)
+        # padding (id nl) sorts last, as one more group
+        order, sizes = pallas_kernels.sort_by_expert(ids, self.num_local + 1)
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0],
+                                                                 dtype=order.dtype))
+        return Received(take_rows(tokens, order, inverse), sizes[:self.num_local],
+                        (order, inverse, *context), dropped)
 
     def arrange_alongside(self, values: jax.Array, context: tuple) -> jax.Array:
         """Arrived per-row values in the order ``arrange`` gave their rows."""
-        return values[context[0]]
+        order, inverse = context[:2]
+        return take_rows(values, order, inverse)
 
     def outbound_context(self, context: tuple) -> tuple:
         """The sender's ``prepare`` context, from the receiver's."""
-        return context[1:]
+        return context[2:]
 
     def unarrange(self, y: jax.Array, context: tuple) -> jax.Array:
-        return jnp.zeros_like(y).at[context[0]].set(y)
+        order, inverse = context[:2]
+        return take_rows(y, inverse, order)
 
     def exchange_back(self, y: jax.Array, context: tuple) -> jax.Array:
         return _all_to_all(y)
 
     def finish(self, back: jax.Array, context: tuple) -> jax.Array:
-        _, index, keep = context
-        rows = back[jnp.minimum(index, back.shape[0] - 1)]
-        return jnp.where(keep[:, None], rows, jnp.zeros_like(rows))
+        index, source = context[2:]
+        return take_rows(back, index, source)
 
 
 class RaggedPlan(NamedTuple):
