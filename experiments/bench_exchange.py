@@ -13,6 +13,8 @@ exchanges back to back in one jit (each feeding the next), so a per-call host ro
 shows up as device idle time (wall less the union of the kernels, from a trace) rather
 than hiding behind the launch of the next call. Read the device-busy columns: on two
 H100s the wall-clock rate of one case varied 137-171 GB/s between runs, its busy time by 1%.
+A collective's kernel also counts as busy while it waits for its peers, so across processes
+(each tracing only itself) busy can exceed wall time.
 """
 
 from __future__ import annotations
