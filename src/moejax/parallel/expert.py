@@ -58,7 +58,8 @@ class ExpertParallelOptions:
     # Devices per node for the cross-node traffic count; None: devices per process.
     devices_per_node: int | None = None
     # Tokens on the wire: the compute dtype, or FP8 E4M3 with 1x128 scales (half the bytes
-    # of BF16, as DeepSeek-V3 dispatches; gradients return in the compute dtype).
+    # of BF16), as DeepSeek-V3 sends them: the routed rows and, in the backward, the expert
+    # outputs' gradient go in FP8; the outputs and the rows' gradient in the compute dtype.
     token_format: str = "compute"
 
     def __post_init__(self) -> None:
@@ -152,8 +153,13 @@ class _Transport:
         return self.arrange(*self.exchange(out.rows, out.labels, out.context), out.context,
                             out.dropped)
 
-    def send_back(self, y: jax.Array, context: tuple) -> jax.Array:
-        return self.finish(self.exchange_back(self.unarrange(y, context), context), context)
+    def send_back(self, y: jax.Array, context: tuple, fp8_gradient: bool = False
+                  ) -> jax.Array:
+        """``fp8_gradient``: y's gradient travels to the experts as FP8 with 1x128 scales
+        (``exchange_back_fp8_gradient``)."""
+        exchange_back = (functools.partial(exchange_back_fp8_gradient, self) if fp8_gradient
+                         else self.exchange_back)
+        return self.finish(exchange_back(self.unarrange(y, context), context), context)
 
     def send_alongside(self, values: jax.Array, context: Any) -> jax.Array:
         """Per-row values (rows,) of the sent rows, moved as ``send`` moved the rows
@@ -484,6 +490,30 @@ def _exchange_fp8_bwd(transport, context, cotangents):
 exchange_fp8.defvjp(_exchange_fp8_fwd, _exchange_fp8_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def exchange_back_fp8_gradient(transport: Transport, y: jax.Array, context: Any
+                               ) -> jax.Array:
+    """``transport.exchange_back`` (expert outputs returning in their own dtype) whose
+    transpose, the outputs' gradient going to the experts, travels as FP8 with 1x128 scales
+    and is dequantized on arrival (straight-through): DeepSeek-V3 sends the activation
+    gradient before the MoE down-projections in FP8 and keeps both combines in BF16."""
+    return transport.exchange_back(y, context)
+
+
+def _exchange_back_fp8_gradient_fwd(transport, y, context):
+    return transport.exchange_back(y, context), context
+
+
+def _exchange_back_fp8_gradient_bwd(transport, context, g):
+    packed, _ = transport.exchange(_pack_fp8(*pallas_kernels.quantize_1x128(g)), None,
+                                   transport.outbound_context(context))
+    return _unpack_fp8(packed, g.shape[1], g.dtype)[0], None
+
+
+exchange_back_fp8_gradient.defvjp(_exchange_back_fp8_gradient_fwd,
+                                  _exchange_back_fp8_gradient_bwd)
+
+
 def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
                              devices_per_node: int) -> jax.Array:
     """Node of the device at ``position`` along ``expert`` and this device's batch coordinates.
@@ -542,7 +572,7 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
                                            received.context)
     y_rows = transport.send_back(
         run_experts(received.tokens, received.group_sizes, weights, quantized, row_weights),
-        received.context)
+        received.context, fp8_gradient=options.token_format == "fp8")
     y = sum_copies(y_rows, order, k).reshape(batch, seq, hidden)
 
     balance = balance_loss(routing, batch, config)

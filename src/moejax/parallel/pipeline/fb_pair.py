@@ -67,7 +67,8 @@ On 2 H200 (``docs/performance.md``) ``free`` hid half the exposed communication 
 With FP8 tokens (``token_format="fp8"``) the dispatch piece sends the rows as FP8 with
 their 1x128 scales (``expert.exchange_fp8``: quantize, exchange the bytes, dequantize; the
 gradient comes back in the compute dtype), so the quantize and dequantize passes sit in
-that piece beside its exchange.
+that piece beside its exchange; the combine piece's transpose sends the outputs' gradient
+to the experts in FP8 the same way (``expert.exchange_back_fp8_gradient``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ from moejax.parallel.expert import (
     Transport,
     cross_node_copies,
     current_options,
+    exchange_back_fp8_gradient,
     exchange_fp8,
     expert_layout,
     make_transport,
@@ -174,7 +176,9 @@ def _experts(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta
 def _combine(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
              ) -> tuple[Values, Meta]:
     x = dict(x)
-    return {**x, "rows": ctx.transport.exchange_back(x.pop("rows"), meta["inbound"])}, meta
+    exchange_back = (functools.partial(exchange_back_fp8_gradient, ctx.transport)
+                     if ctx.fp8_tokens else ctx.transport.exchange_back)
+    return {**x, "rows": exchange_back(x.pop("rows"), meta["inbound"])}, meta
 
 
 def _residual(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
