@@ -80,7 +80,7 @@ def test_transport_matches_single_device(moe, axes, piece_bytes, transport, monk
     (these shapes' default is one piece a slice)."""
     monkeypatch.setattr(expert_module.jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_gather)
     if piece_bytes is not None:
-        monkeypatch.setattr(expert_module, "RAGGED_PIECE_BYTES", piece_bytes)
+        monkeypatch.setattr(expert_module, "ragged_piece_bytes", lambda: piece_bytes)
         ep = axes["expert"]
         ragged = expert_module.make_transport(
             ExpertParallelOptions(transport="ragged"), ep, ("expert",), 8 * 6 // ep,

@@ -14,9 +14,9 @@ transports share that flow:
   (device, expert), each landing where the receiver's grouped GEMM wants it, so the
   receiver never sorts (GPU/TPU only; not implemented on XLA:CPU). Dropless; the receive
   buffer holds the worst case, ep*T*min(k, E/ep) rows; the grouped GEMM computes only the
-  received rows. Each slice is cut into pieces of about ``RAGGED_PIECE_BYTES``: XLA's
-  one-process GPU kernel for it copies slice by slice, 2.6 GB/s for one 50 MB slice and
-  as fast as ``all_to_all`` at 512 slices a peer (``experiments.bench_exchange``).
+  received rows. In one GPU process each slice is cut into pieces of about
+  ``RAGGED_PIECE_BYTES``: XLA's kernel there copies slice by slice, 2.6 GB/s for one 50 MB
+  slice and as fast as ``all_to_all`` at 512 slices a peer (``experiments.bench_exchange``).
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ TOKEN_FORMATS = ("compute", "fp8")
 # 154 in 2048 (docs/performance.md, 2026-11-25 session 32).
 RAGGED_PIECE_BYTES = 64 * 1024
 RAGGED_MAX_PIECES_PER_PEER = 512
+
+
+def ragged_piece_bytes() -> int | None:
+    """Bytes a ragged slice is cut to, where that was measured to pay: XLA's one-process
+    GPU kernel, which copies slice by slice. None elsewhere (across processes XLA sends
+    one NCCL message per slice; TPUs: not measured), where each slice goes whole."""
+    one_gpu_process = jax.default_backend() == "gpu" and jax.process_count() == 1
+    return RAGGED_PIECE_BYTES if one_gpu_process else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,14 +338,17 @@ class _Ragged(_Transport):
     num_rows: int  # token copies each device sends (T*k)
     recv_rows: int  # the most copies a device can receive (every source's worst case)
     num_experts: int
+    piece_bytes: int | None  # ragged_piece_bytes()
 
     def pieces(self, row_bytes: int) -> int:
         """Pieces per (device, expert) slice for rows of ``row_bytes``: an even routing's
-        slice cut to about ``RAGGED_PIECE_BYTES``, at most ``RAGGED_MAX_PIECES_PER_PEER``
-        slices a peer."""
+        slice cut to about ``piece_bytes``, at most ``RAGGED_MAX_PIECES_PER_PEER`` slices
+        a peer (1: slices go whole)."""
+        if self.piece_bytes is None:
+            return 1
         slice_bytes = self.num_rows / self.num_experts * row_bytes
         most = max(1, RAGGED_MAX_PIECES_PER_PEER * self.ep // self.num_experts)
-        return min(most, max(1, math.ceil(slice_bytes / RAGGED_PIECE_BYTES)))
+        return min(most, max(1, math.ceil(slice_bytes / self.piece_bytes)))
 
     def move(self, rows: jax.Array, output: jax.Array, starts: jax.Array, sizes: jax.Array,
              lands: jax.Array, recv_sizes: jax.Array) -> jax.Array:
@@ -408,7 +419,8 @@ def make_transport(options: ExpertParallelOptions, ep: int, batch_axes: tuple[st
     per device."""
     bound = dropless_copies_to_one_device(tokens, top_k, num_experts, ep)
     if options.resolved_transport() == "ragged":
-        return _Ragged(ep, batch_axes, tokens * top_k, ep * bound, num_experts)
+        return _Ragged(ep, batch_axes, tokens * top_k, ep * bound, num_experts,
+                       ragged_piece_bytes())
     capacity = bound if options.capacity_factor is None else max(
         1, math.ceil(options.capacity_factor * tokens * top_k / ep))
     return _Padded(capacity, ep, num_experts // ep)
