@@ -29,23 +29,22 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax import profiling
 from moejax.parallel import distributed
-from moejax.parallel.expert import EXPERT_AXIS
+from moejax.parallel.expert import EXPERT_AXIS, cut_into_pieces
 from moejax.parallel.mesh import MeshSpec, build_mesh
 
 
 def ragged_exchange(x: jax.Array, ep: int, slices_per_peer: int) -> jax.Array:
     """``ragged_all_to_all`` of this device's rows, ``rows/ep`` to each peer, each peer's
-    share cut into ``slices_per_peer`` equal slices landing in order on the receiver (in
-    the block of rows it holds for this sender), inside a ``shard_map`` over ``expert``."""
-    rows = x.shape[0]
-    size = rows // ep // slices_per_peer
-    slices = ep * slices_per_peer
-    me = jax.lax.axis_index(EXPERT_AXIS)
-    within = (jnp.arange(slices) % slices_per_peer) * size
-    sizes = jnp.full((slices,), size, jnp.int32)
-    return jax.lax.ragged_all_to_all(
-        x, jnp.zeros_like(x), (jnp.arange(slices) * size).astype(jnp.int32), sizes,
-        (me * (rows // ep) + within).astype(jnp.int32), sizes, axis_name=EXPERT_AXIS)
+    share cut into ``slices_per_peer`` pieces as the MoE layer cuts its slices
+    (``cut_into_pieces``), landing in the block the receiver holds for this sender,
+    inside a ``shard_map`` over ``expert``."""
+    share = x.shape[0] // ep
+    starts = jnp.arange(ep, dtype=jnp.int32) * share
+    within, sizes = cut_into_pieces(jnp.full((ep,), share, jnp.int32), slices_per_peer)
+    land = jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32) * share
+    return jax.lax.ragged_all_to_all(x, jnp.zeros_like(x),
+                                     jnp.repeat(starts, slices_per_peer) + within, sizes,
+                                     land + within, sizes, axis_name=EXPERT_AXIS)
 
 
 def dense_exchange(x: jax.Array) -> jax.Array:

@@ -71,6 +71,11 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
     return keys % n, jnp.diff(starts).astype(jnp.int32)
 
 
+def inverse_permutation(permutation: jax.Array) -> jax.Array:
+    """inverse[permutation[j]] = j: where each row went, one store per row."""
+    return _impl("inverse_permutation", (permutation.shape, permutation.dtype))(permutation)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def permute_rows(x: jax.Array, permutation: jax.Array, k: int) -> jax.Array:
     """Row j of the result is x[permutation[j] // k]: the k copies of each row of x (T, H)
@@ -127,8 +132,7 @@ def _permute_values_fwd(values, permutation):
 
 
 def _permute_values_bwd(permutation, g):
-    inverse = _impl("inverse_permutation", (permutation.shape, permutation.dtype))(permutation)
-    return g[inverse], None
+    return g[inverse_permutation(permutation)], None
 
 
 permute_values.defvjp(_permute_values_fwd, _permute_values_bwd)

@@ -163,11 +163,14 @@ class _Transport:
 
     def send_back(self, y: jax.Array, context: tuple, fp8_gradient: bool = False
                   ) -> jax.Array:
-        """``fp8_gradient``: y's gradient travels to the experts as FP8 with 1x128 scales
-        (``exchange_back_fp8_gradient``)."""
-        exchange_back = (functools.partial(exchange_back_fp8_gradient, self) if fp8_gradient
-                         else self.exchange_back)
+        exchange_back = self.exchange_back_for(fp8_gradient)
         return self.finish(exchange_back(self.unarrange(y, context), context), context)
+
+    def exchange_back_for(self, fp8_gradient: bool) -> Callable[[jax.Array, Any], jax.Array]:
+        """``exchange_back``, or with ``fp8_gradient`` its form whose gradient travels to
+        the experts as FP8 with 1x128 scales (``exchange_back_fp8_gradient``)."""
+        return (functools.partial(exchange_back_fp8_gradient, self) if fp8_gradient
+                else self.exchange_back)
 
     def send_alongside(self, values: jax.Array, context: Any) -> jax.Array:
         """Per-row values (rows,) of the sent rows, moved as ``send`` moved the rows
@@ -252,8 +255,7 @@ class _Padded(_Transport):
                 ) -> Received:
         # padding (id nl) sorts last, as one more group
         order, sizes = pallas_kernels.sort_by_expert(ids, self.num_local + 1)
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0],
-                                                                 dtype=order.dtype))
+        inverse = pallas_kernels.inverse_permutation(order)
         return Received(take_rows(tokens, order, inverse), sizes[:self.num_local],
                         (order, inverse, *context), dropped)
 

@@ -92,7 +92,6 @@ from moejax.parallel.expert import (
     Transport,
     cross_node_copies,
     current_options,
-    exchange_back_fp8_gradient,
     exchange_fp8,
     expert_layout,
     make_transport,
@@ -176,8 +175,7 @@ def _experts(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta
 def _combine(ctx: Context, block: DecoderBlock, bias: jax.Array, x: Values, meta: Meta
              ) -> tuple[Values, Meta]:
     x = dict(x)
-    exchange_back = (functools.partial(exchange_back_fp8_gradient, ctx.transport)
-                     if ctx.fp8_tokens else ctx.transport.exchange_back)
+    exchange_back = ctx.transport.exchange_back_for(ctx.fp8_tokens)
     return {**x, "rows": exchange_back(x.pop("rows"), meta["inbound"])}, meta
 
 
