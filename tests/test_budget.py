@@ -24,16 +24,20 @@ def _tiny(*extra):
                                               ("full", "bf16")])
 def test_budget_within_10_percent_of_xla(remat, precision):
     cfg = _tiny(f"train.remat={remat}", f"train.precision={precision}")
-    budget = budget_model.estimate(cfg)
+    progress = []
+    budget = budget_model.estimate(cfg, progress=progress.append)
     peak, _ = budget_model.compiled_peak(cfg)
     assert abs(budget.device_total / peak - 1) < 0.10, budget.table()
+    # each reduced-depth compile is announced before it starts and timed when it ends
+    assert [m.split(": ")[1].split(" MoE")[0] for m in progress] == [
+        "compiling the step with 2", "2", "compiling the step with 3", "3"], progress
 
 
 @pytest.fixture
 def no_workspace_compile(monkeypatch):
     """Tests of the other terms skip the reduced-depth compiles (validated above)."""
     monkeypatch.setattr(budget_model, "depth_fit",
-                        lambda cfg, micro_batch: budget_model.DepthFit(0, 0, (2, 3)))
+                        lambda cfg, micro_batch, progress: budget_model.DepthFit(0, 0, (2, 3)))
 
 
 def test_static_terms_are_the_sharded_state(no_workspace_compile):

@@ -35,6 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -46,12 +50,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--validate with --mesh {mesh}: compiles the one-device step; "
                               "leave --mesh out")
         memory = parse_bytes(args.device_memory) if args.device_memory else None
-        budget = estimate(cfg, mesh, micro_batch=args.micro_batch, device_memory=memory)
+        budget = estimate(cfg, mesh, micro_batch=args.micro_batch, device_memory=memory,
+                          progress=_progress)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(budget.table())
     if args.validate:
+        _progress("memory budget: compiling the real step for XLA's memory_analysis()")
         peak, analysis = compiled_peak(cfg, args.micro_batch)
         print(f"XLA memory_analysis of the real step: arguments "
               f"{analysis.argument_size_in_bytes / GIB:.3f} GiB + temp "

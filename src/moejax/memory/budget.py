@@ -51,7 +51,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, NamedTuple
+import time
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -199,8 +200,21 @@ def _compile_step(cfg: ExperimentConfig, autotune: bool = True, dump_to: str | N
     return analysis, abstract
 
 
-def _temp_beyond_gradients(cfg: ExperimentConfig) -> int:
+Progress = Callable[[str], None]  # takes a line saying what is being done, for long work
+
+
+def _silent(message: str) -> None:
+    del message
+
+
+def _temp_beyond_gradients(cfg: ExperimentConfig, progress: Progress) -> int:
+    moe_layers = cfg.model.num_moe_layers
+    progress(f"memory budget: compiling the step with {moe_layers} MoE layer(s) to measure "
+             "XLA's activation memory (minutes for a large step on a GPU)")
+    start = time.perf_counter()
     analysis, abstract = _compile_step(cfg)
+    progress(f"memory budget: {moe_layers} MoE layer(s) compiled in "
+             f"{time.perf_counter() - start:.0f} s")
     grads = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(abstract.params))
     return analysis.temp_size_in_bytes - grads
 
@@ -213,7 +227,8 @@ class DepthFit(NamedTuple):
     depths: tuple[int, int]  # MoE layers of the two copies
 
 
-def depth_fit(cfg: ExperimentConfig, micro_batch: int) -> DepthFit:
+def depth_fit(cfg: ExperimentConfig, micro_batch: int, progress: Progress = _silent
+              ) -> DepthFit:
     """Two copies of the step with 2 and 3 MoE layers (fewer if the model has fewer; XLA
     unrolls a one-trip layer scan, so one layer alone is not typical of the stack). The
     slope is XLA's own keep per layer: it counts what XLA fuses away or recomputes (an
@@ -221,8 +236,8 @@ def depth_fit(cfg: ExperimentConfig, micro_batch: int) -> DepthFit:
     autodiff's residuals overstates, and how XLA packs the stack's buffers at depth."""
     deep = min(cfg.model.num_moe_layers, CALIBRATION_MOE_LAYERS)
     shallow = max(deep - 1, 0)
-    beyond = {n: _temp_beyond_gradients(_at_depth(cfg, micro_batch, n))
-              for n in {shallow, deep}}
+    beyond = {n: _temp_beyond_gradients(_at_depth(cfg, micro_batch, n), progress)
+              for n in sorted({shallow, deep})}
     per_layer = max(beyond[deep] - beyond[shallow], 0)
     return DepthFit(per_layer, max(beyond[shallow] - shallow * per_layer, 0), (shallow, deep))
 
@@ -279,12 +294,14 @@ def pipeline_terms(cfg: ExperimentConfig, mesh: MeshSpec, params: Any, micro_bat
 
 
 def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
-             micro_batch: int | None = None, device_memory: int | None = None) -> Budget:
+             micro_batch: int | None = None, device_memory: int | None = None,
+             progress: Progress = _silent) -> Budget:
     """The per-device budget of ``cfg``'s train step on ``mesh`` (default ``cfg.mesh``).
 
     ``micro_batch``: sequences per device per forward/backward (default: the global batch
     over data x expert, and over the micro-batches with ``pipe`` > 1, as the train step
-    runs it). Compiles one reduced-depth step.
+    runs it). Compiles two reduced-depth copies of the step (``depth_fit``), reporting
+    each to ``progress``.
     """
     mesh = mesh or cfg.mesh
     tc = cfg.train
@@ -309,7 +326,7 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     optimizer = _per_device(abstract.opt_state, shardings.opt_state)
     pipeline = (pipeline_terms(cfg, mesh, abstract.params, micro_batch) if mesh.pipe > 1
                 else PipelineTerms(0, 1.0, 0))
-    fit = depth_fit(cfg, micro_batch)
+    fit = depth_fit(cfg, micro_batch, progress)
     saved = fit.per_moe_layer * cfg.model.num_moe_layers
     gathered = (_gathered_layer(abstract.params, shardings.params, mesh.data)
                 if tc.zero_stage == 3 and mesh.data > 1 else 0)
@@ -361,12 +378,13 @@ def device_memory_limit(device: jax.Device) -> int | None:
     return int(limit) if limit else None
 
 
-def check_fits(cfg: ExperimentConfig, device: jax.Device) -> Budget | None:
+def check_fits(cfg: ExperimentConfig, device: jax.Device, progress: Progress = _silent
+               ) -> Budget | None:
     """Raises ConfigError with the budget table when the step cannot fit on ``device``."""
     limit = device_memory_limit(device)
     if limit is None:
         return None
-    budget = estimate(cfg, device_memory=limit)
+    budget = estimate(cfg, device_memory=limit, progress=progress)
     if not budget.fits:
         raise ConfigError(
             f"the train step needs about {budget.device_total / GIB:.2f} GiB per device, "

@@ -138,7 +138,7 @@ class Trainer:
         # budget traces one device's share): a step that cannot fit fails here with the
         # budget table, not with an allocator traceback. Only where the runtime reports a
         # memory limit (GPU/TPU).
-        budget = check_fits(self.cfg, jax.local_devices()[0])
+        budget = check_fits(self.cfg, jax.local_devices()[0], self.log)
         if budget is not None:
             self.log(f"memory budget {budget.device_total / GIB:.2f} of "
                      f"{budget.device_memory / GIB:.2f} GiB per device")
