@@ -173,7 +173,7 @@ def measure_and_print(sizes: list[int], transports: list[str], formats: list[str
                     print(f"#   {us:>8.1f} us/call  {category:<13} {name}", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small", help="model preset whose MoE shapes to use")
     parser.add_argument("--expert", default="", help="comma list of expert axis sizes "
@@ -193,7 +193,7 @@ def main() -> None:
                         "the layer; adds the device-time split (GPU only)")
     parser.add_argument("--repeats", type=int, default=10)
     distributed.add_arguments(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     distributed.initialize(args)
     devices = jax.device_count()
     sizes = ([int(s) for s in args.expert.split(",")] if args.expert
