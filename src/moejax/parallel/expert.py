@@ -491,10 +491,16 @@ def exchange_fp8(transport: Transport, rows: jax.Array, labels: Any, context: An
     return _exchange_fp8_fwd(transport, rows, labels, context)[0]
 
 
-def _exchange_fp8_fwd(transport, rows, labels, context):
+def _exchange_as_fp8(transport: Transport, rows: jax.Array, labels: Any, context: Any
+                     ) -> tuple[jax.Array, Any]:
+    """Quantize to FP8 with 1x128 scales, exchange the packed bytes, dequantize on arrival."""
     packed, moved = transport.exchange(_pack_fp8(*pallas_kernels.quantize_1x128(rows)),
                                        labels, context)
-    return (_unpack_fp8(packed, rows.shape[1], rows.dtype)[0], moved), context
+    return _unpack_fp8(packed, rows.shape[1], rows.dtype)[0], moved
+
+
+def _exchange_fp8_fwd(transport, rows, labels, context):
+    return _exchange_as_fp8(transport, rows, labels, context), context
 
 
 def _exchange_fp8_bwd(transport, context, cotangents):
@@ -519,9 +525,7 @@ def _exchange_back_fp8_gradient_fwd(transport, y, context):
 
 
 def _exchange_back_fp8_gradient_bwd(transport, context, g):
-    packed, _ = transport.exchange(_pack_fp8(*pallas_kernels.quantize_1x128(g)), None,
-                                   transport.outbound_context(context))
-    return _unpack_fp8(packed, g.shape[1], g.dtype)[0], None
+    return _exchange_as_fp8(transport, g, None, transport.outbound_context(context))[0], None
 
 
 exchange_back_fp8_gradient.defvjp(_exchange_back_fp8_gradient_fwd,
