@@ -68,6 +68,21 @@ def test_static_terms_are_the_sharded_state(no_workspace_compile):
     assert split.fits
 
 
+def test_cli_validate_reuses_the_probe_that_compiled_the_same_step(capsys, monkeypatch):
+    """A model of 3 MoE layers is the budget's deeper probe itself: --validate compiles the
+    two probes and nothing more (an FP8 step's compile takes minutes on a GPU)."""
+    compiles = []
+    compile_now = budget_model._compile_step_now
+    monkeypatch.setattr(budget_model, "_compile_step_now",
+                        lambda *args: compiles.append(args[0]) or compile_now(*args))
+    budget_model._remembered_compile.cache_clear()
+    shapes = [s.replace("=5", "=3") for s in SHAPES]
+    assert budget_cli(["--validate", "--device-memory", "1TB"]
+                      + [a for s in shapes for a in ("--set", s)]) == 0
+    assert [c.model.num_moe_layers for c in compiles] == [2, 3]
+    assert "XLA memory_analysis of the real step" in capsys.readouterr().out
+
+
 def test_parse_bytes():
     assert budget_model.parse_bytes("80GB") == 80 * 2**30
     assert budget_model.parse_bytes("1.5 TiB") == int(1.5 * 2**40)

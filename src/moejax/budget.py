@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(budget.table())
     if args.validate:
-        _progress("memory budget: compiling the real step for XLA's memory_analysis()")
+        _progress("memory budget: XLA's memory_analysis() of the real step (compiled now "
+                  "unless the deeper probe was this very step)")
         peak, analysis = compiled_peak(cfg, args.micro_batch)
         print(f"XLA memory_analysis of the real step: arguments "
               f"{analysis.argument_size_in_bytes / GIB:.3f} GiB + temp "

@@ -49,6 +49,7 @@ checked against ``compiled.memory_analysis()`` of the real step (``tests/test_bu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import time
@@ -188,7 +189,23 @@ def _compile_step(cfg: ExperimentConfig, autotune: bool = True, dump_to: str | N
     abstract state it was compiled for. Without ``autotune`` XLA takes its default GEMM
     configs instead of timing candidates on the GPU: the same buffers but for GEMM
     workspace, a faster compile (the fit search's probes). ``dump_to``: a folder for XLA's
-    dumps of the step (its optimized HLO and live ranges, read by ``memory.peak``)."""
+    dumps of the step (its optimized HLO and live ranges, read by ``memory.peak``).
+
+    Without a dump the answer is remembered per config: ``--validate`` on a model no deeper
+    than the budget's deeper probe (``tiny``) compiles the very step that probe compiled,
+    and an FP8 step's compile takes minutes on a GPU."""
+    if dump_to is None:
+        return _remembered_compile(cfg, autotune)
+    return _compile_step_now(cfg, autotune, dump_to)
+
+
+@functools.lru_cache(maxsize=8)
+def _remembered_compile(cfg: ExperimentConfig, autotune: bool) -> tuple[Any, TrainState]:
+    return _compile_step_now(cfg, autotune, None)
+
+
+def _compile_step_now(cfg: ExperimentConfig, autotune: bool, dump_to: str | None
+                      ) -> tuple[Any, TrainState]:
     graphdef, init = state_initializer(cfg, pipe=1)
     abstract = jax.eval_shape(init, jnp.uint32(0))
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
