@@ -14,35 +14,40 @@ from moejax.train.checkpoint import Checkpointer
 from moejax.train.config import apply_overrides, get_experiment_preset
 
 
-def test_ema_matches_closed_form_and_lives_in_host_memory():
+@pytest.mark.parametrize("every", [1, 2])
+def test_ema_matches_closed_form_and_lives_in_host_memory(every):
     rng = np.random.default_rng()
-    decay, steps = 0.8, 5
+    decay, steps = 0.8, 6
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     shardings = {"w": NamedSharding(mesh, P("data", None)), "b": NamedSharding(mesh, P())}
     params = [{"w": rng.standard_normal((4, 3)), "b": rng.standard_normal((5,))}
               for _ in range(steps + 1)]
     put = lambda p: jax.tree.map(  # noqa: E731
         lambda x, s: jax.device_put(jnp.asarray(x, jnp.float32), s), p, shardings)
-    ema = HostEMA(decay, shardings)
+    ema = HostEMA(decay, shardings, every)
     state = ema.init(put(params[0]))
-    finite = [True, True, False, True, True]  # step 3 is skipped: the EMA must not move
+    finite = [True, True, False, False, True, True]  # step 4 is due either way, and skipped
     for t in range(1, steps + 1):
-        state = ema.update(state, put(params[t]), finite[t - 1])
+        if ema.due(t):
+            state = ema.update(state, put(params[t]), finite[t - 1])
     assert ema.on_host
     assert all(x.sharding.memory_kind == HOST_MEMORY for x in jax.tree.leaves(state))
     assert state["w"].sharding.spec == P("data", None)
-    # Closed form over the applied steps: d^n p_0 + (1 - d) sum_k d^(n-k) p_k.
-    applied = [t for t in range(1, steps + 1) if finite[t - 1]]
-    n = len(applied)
+    # Closed form over the applied steps, with d = decay**every a blend:
+    # d^n p_0 + (1 - d) sum_k d^(n-k) p_k.
+    applied = [t for t in range(1, steps + 1) if t % every == 0 and finite[t - 1]]
+    assert len(applied) == {1: 4, 2: 2}[every]
+    n, d = len(applied), decay ** every
     for name in ("w", "b"):
-        expected = decay ** n * params[0][name] + (1 - decay) * sum(
-            decay ** (n - 1 - i) * params[t][name] for i, t in enumerate(applied))
+        expected = d ** n * params[0][name] + (1 - d) * sum(
+            d ** (n - 1 - i) * params[t][name] for i, t in enumerate(applied))
         np.testing.assert_allclose(np.asarray(state[name]), expected, rtol=2e-6, atol=2e-7)
 
 
-def test_ema_decay_is_validated():
-    with pytest.raises(ValueError, match="train.ema_decay=1.5"):
-        apply_overrides(get_experiment_preset("tiny"), ["train.ema_decay=1.5"])
+@pytest.mark.parametrize("override", ["train.ema_decay=1.5", "train.ema_every=0"])
+def test_ema_settings_are_validated(override):
+    with pytest.raises(ValueError, match=override):
+        apply_overrides(get_experiment_preset("tiny"), [override])
 
 
 def test_checkpoint_restores_the_ema_into_host_memory(tmp_path):
@@ -84,6 +89,21 @@ def test_training_with_ema_evaluates_and_resumes(tmp_path):
         assert np.isfinite(summary.ema_eval_losses[step])
         # A decay-0.5 average of distinct weights is not the weights themselves.
         assert summary.ema_eval_losses[step] != summary.eval_losses[step]
+
+
+def test_trainer_blends_the_ema_only_on_due_steps(tmp_path, monkeypatch):
+    """``train.ema_every=2`` over 5 steps: blends after steps 2 and 4, and nowhere else."""
+    from moejax.train.loop import Trainer  # needs grain, which the GPU image lacks
+
+    blends = []
+    update = HostEMA.update
+    monkeypatch.setattr(HostEMA, "update", lambda *args: blends.append(1) or update(*args))
+    cfg = apply_overrides(get_experiment_preset("tiny"), [
+        "model.num_hidden_layers=2", "train.seq_len=16", "train.batch_size=4",
+        "train.warmup_steps=1", "train.steps=5", "train.eval_every=0", "train.ema_decay=0.5",
+        "train.ema_every=2"])
+    Trainer(cfg, tmp_path, resume=False, log=lambda _: None).run()
+    assert len(blends) == 2
 
 
 @pytest.mark.gpu

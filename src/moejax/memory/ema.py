@@ -12,14 +12,18 @@ device memory instead, and :attr:`HostEMA.on_host` says so (the memory budget th
 it on the device). XLA:CPU exposes ``pinned_host``; there it is the same RAM as "device"
 memory, so the placement is exercised but saves nothing.
 
-Why the step does not stall: :meth:`HostEMA.update` is one jitted program, dispatched right
-after the train step without the host waiting on either. Inside it, each host shard is
-brought to the device, blended with the new parameters, and written back to host memory;
-the ``finite`` flag of the step makes a skipped (non-finite) step leave the EMA unchanged in
-the graph, so the host never reads a value to decide. The program's device buffers are
+What an update costs: :meth:`HostEMA.update` is one jitted program, dispatched right after
+the train step without the host waiting on either. Inside it, each host shard is brought to
+the device, blended with the new parameters, and written back to host memory; the
+``finite`` flag of the step makes a skipped (non-finite) step leave the EMA unchanged in the
+graph, so the host never reads a value to decide. The program's device buffers are
 transient (freed when it ends) and smaller than the train step's own transients (its
-gradients alone are a parameter copy), so peak device memory does not grow; its cost is
-the host<->device traffic of two parameter copies per step on the device's queue.
+gradients alone are a parameter copy), so peak device memory does not grow. Its time is
+the host link's: two parameter copies per update on the device's queue, between steps (on
+an H100, ``small``'s 6.83 GiB of FP32 parameters took 269 ms an update, 54.6 GB/s, against a
+61 ms step at batch 4). Where that is more than a small share of a step, ``every`` spreads
+it: the EMA blends on every ``every``-th step with ``decay**every``, the same half-life in
+steps, sampling the weights' trajectory instead of reading each step's.
 """
 
 from __future__ import annotations
@@ -40,11 +44,15 @@ def has_host_memory(device: jax.Device) -> bool:
 class HostEMA:
     """The EMA's placement and its two jitted programs (``init``, ``update``)."""
 
-    def __init__(self, decay: float, param_shardings: Any):
-        """``param_shardings``: the tree of device ``NamedSharding``s of the parameters."""
+    def __init__(self, decay: float, param_shardings: Any, every: int = 1):
+        """``param_shardings``: the tree of device ``NamedSharding``s of the parameters;
+        ``every``: blend on the steps that are multiples of it, with ``decay**every``."""
         if not 0 < decay < 1:
             raise ValueError(f"EMA decay {decay!r}: must be in (0, 1)")
-        self.decay = decay
+        if every < 1:
+            raise ValueError(f"EMA every={every!r}: must be a positive number of steps")
+        self.decay = decay ** every
+        self.every = every
         leaves = jax.tree.leaves(param_shardings)
         self.on_host = all(has_host_memory(d) for s in leaves for d in s.device_set)
         self.device_shardings = param_shardings
@@ -52,6 +60,10 @@ class HostEMA:
                                        param_shardings) if self.on_host else param_shardings)
         self._init = jax.jit(lambda params: params, out_shardings=self.shardings)
         self._update = jax.jit(self._blend, out_shardings=self.shardings, donate_argnums=0)
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` (1-based, as the trainer counts) blends into the EMA."""
+        return step % self.every == 0
 
     def init(self, params: Any) -> Any:
         """``ema_0 = params_0``: a copy of the parameters in the EMA's memory."""

@@ -24,13 +24,13 @@ from moejax.config import ConfigError
 from moejax.train.config import CheckpointConfig
 
 CONFIG_FILE = "config.json"
-# Settings that may differ between a run and its resumption: length, cadence, logging, and
+# Settings that may differ between a run and its resumption: length, cadences, logging, and
 # the device layout (a checkpoint restores onto any mesh), the attention core, the layer
 # loop, and the GEMM precision (FP8 keeps no state of its own: FP32 master weights and
 # optimizer state are the same in both).
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                      "train.nonfinite", "train.peak_tflops", "train.zero_stage", "train.remat",
-                     "train.precision", "train.attention", "train.layer_loop",
+                     "train.ema_every", "train.precision", "train.attention", "train.layer_loop",
                      "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
                      "mesh.pipe", "mesh.data", "mesh.expert", "mesh.tensor",
                      "train.pipeline_schedule", "train.microbatches",

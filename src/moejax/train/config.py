@@ -77,13 +77,16 @@ class TrainConfig:
     # a longer compile) | auto (unrolled on a GPU without a pipe axis, else scan)
     layer_loop: str = "auto"
     ema_decay: float | None = None  # host-memory EMA of the weights (moejax.memory.ema)
+    # blend the EMA on every k-th step with ema_decay**k: each blend moves two parameter
+    # copies over the host link, which can take longer than a step (moejax.memory.ema)
+    ema_every: int = 1
     # --mesh pipe=P > 1 only: the pipeline schedule and its micro-batch count (None: 2P)
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | dualpipe | dualpipev
     microbatches: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("train", self, ("steps", "batch_size", "seq_len", "log_every",
-                                            "eval_batches"))
+                                            "eval_batches", "ema_every"))
         if self.schedule_steps is not None:
             _check_positive_int("train", self, ("schedule_steps",))
         for name in ("warmup_steps", "eval_every", "seed"):

@@ -152,7 +152,7 @@ class Trainer:
         graphdef, init = state_initializer(cfg)
         abstract = jax.eval_shape(init, jnp.uint32(tc.seed))
         state_sh = train_state_shardings(abstract, self.mesh, make_optimizer(tc), tc.zero_stage)
-        ema = HostEMA(tc.ema_decay, state_sh.params) if tc.ema_decay else None
+        ema = HostEMA(tc.ema_decay, state_sh.params, tc.ema_every) if tc.ema_decay else None
         ema_state = None
         batch_sh = batch_sharding(self.mesh)
         self.log(f"mesh {cfg.mesh} over {self.mesh.size} device(s) in {jax.process_count()} "
@@ -199,7 +199,7 @@ class Trainer:
                 state, metrics = train_step(state, batch, halt)
                 if tc.nonfinite == "stop":  # a non-finite step halts every later one
                     halt = ~metrics["finite"]
-                if ema:  # dispatched before the host waits on the step; skips a bad step
+                if ema and ema.due(step):  # dispatched before the host waits on the step
                     ema_state = ema.update(ema_state, state.params, metrics["finite"])
                 # The host reads a step's metrics while the device runs the next one, and
                 # waits on a step at once only where it needs that step's state.
