@@ -26,7 +26,7 @@ def test_ema_matches_closed_form_and_lives_in_host_memory(every):
         lambda x, s: jax.device_put(jnp.asarray(x, jnp.float32), s), p, shardings)
     ema = HostEMA(decay, shardings, every)
     state = ema.init(put(params[0]))
-    finite = [True, True, False, False, True, True]  # step 4 is due either way, and skipped
+    finite = [True, True, False, False, True, True]  # 3 and 4 skipped; 4 is due either way
     for t in range(1, steps + 1):
         if ema.due(t):
             state = ema.update(state, put(params[t]), finite[t - 1])
