@@ -9,10 +9,12 @@ Bad input: one line on stderr, exit status 2; a budget that does not fit: exit s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from moejax.config import ConfigError
-from moejax.memory.budget import GIB, compiled_peak, estimate, parse_bytes
+from moejax.memory.budget import (GIB, at_micro_batch, compiled_peak, estimate, parse_bytes,
+                                  start_compile)
 from moejax.parallel.mesh import MeshSpec
 from moejax.train.config import apply_overrides, get_experiment_preset
 
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--validate with --mesh {mesh}: compiles the one-device step; "
                               "leave --mesh out")
         memory = parse_bytes(args.device_memory) if args.device_memory else None
+        if args.validate:  # compiles beside the budget's own two
+            _progress("memory budget: lowering the real step and compiling it for XLA's "
+                      "memory_analysis()")
+            start_compile(at_micro_batch(cfg, args.micro_batch))
         budget = estimate(cfg, mesh, micro_batch=args.micro_batch, device_memory=memory,
                           progress=_progress)
     except ConfigError as err:
@@ -57,8 +63,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(budget.table())
     if args.validate:
-        _progress("memory budget: XLA's memory_analysis() of the real step (compiled now "
-                  "unless the deeper probe was this very step)")
         peak, analysis = compiled_peak(cfg, args.micro_batch)
         print(f"XLA memory_analysis of the real step: arguments "
               f"{analysis.argument_size_in_bytes / GIB:.3f} GiB + temp "
@@ -68,4 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # compiles may be running on daemon threads: leave them be
+        print("memory budget: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)

@@ -48,10 +48,12 @@ checked against ``compiled.memory_analysis()`` of the real step (``tests/test_bu
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
 import re
+import threading
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -183,38 +185,58 @@ def _at_depth(cfg: ExperimentConfig, micro_batch: int, moe_layers: int) -> Exper
         mesh=MeshSpec(), train=dataclasses.replace(cfg.train, batch_size=micro_batch))
 
 
-def _compile_step(cfg: ExperimentConfig, autotune: bool = True, dump_to: str | None = None
-                  ) -> tuple[Any, TrainState]:
-    """``memory_analysis()`` of the real one-device step, compiled (never run), and the
-    abstract state it was compiled for. Without ``autotune`` XLA takes its default GEMM
-    configs instead of timing candidates on the GPU: the same buffers but for GEMM
-    workspace, a faster compile (the fit search's probes). ``dump_to``: a folder for XLA's
-    dumps of the step (its optimized HLO and live ranges, read by ``memory.peak``).
+def _in_background(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """``fn(*args)`` on a daemon thread. XLA releases the GIL while it compiles, so the
+    budget's compiles (two reduced copies, and the real step under ``--validate``) run side
+    by side and beside the next one's lowering, which is Python: an FP8 step's lowering and
+    compile take minutes on a GPU (docs/performance.md, session 34). Daemon, so that Ctrl-C
+    ends the process without waiting for a compile to finish."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
 
-    Without a dump the answer is remembered per config: ``--validate`` on a model no deeper
-    than the budget's deeper probe (``tiny``) compiles the very step that probe compiled,
-    and an FP8 step's compile takes minutes on a GPU."""
-    if dump_to is None:
-        return _remembered_compile(cfg, autotune)
-    return _compile_step_now(cfg, autotune, dump_to)
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on it
+            future.set_exception(err)
 
-
-@functools.lru_cache(maxsize=8)
-def _remembered_compile(cfg: ExperimentConfig, autotune: bool) -> tuple[Any, TrainState]:
-    return _compile_step_now(cfg, autotune, None)
+    threading.Thread(target=run, name="budget-compile", daemon=True).start()
+    return future
 
 
-def _compile_step_now(cfg: ExperimentConfig, autotune: bool, dump_to: str | None
-                      ) -> tuple[Any, TrainState]:
+def _lower_step(cfg: ExperimentConfig) -> tuple[Any, TrainState]:
+    """The real one-device step lowered for ``cfg``, and the abstract state it takes."""
     graphdef, init = state_initializer(cfg, pipe=1)
     abstract = jax.eval_shape(init, jnp.uint32(0))
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
+    return make_train_step(graphdef, cfg).lower(abstract, tokens), abstract
+
+
+def _memory_analysis(lowered: Any, autotune: bool, dump_to: str | None) -> Any:
+    """``memory_analysis()`` of the lowered step, compiled (never run). Without ``autotune``
+    XLA takes its default GEMM configs instead of timing candidates on the GPU: the same
+    buffers but for GEMM workspace, a faster compile (the fit search's probes).
+    ``dump_to``: a folder for XLA's dumps of the step (its optimized HLO and live ranges,
+    read by ``memory.peak``)."""
     options = MEASURE_OPTIONS if autotune else {**MEASURE_OPTIONS, "xla_gpu_autotune_level": 0}
     if dump_to is not None:
         options = {**options, "xla_dump_to": dump_to}
-    analysis = make_train_step(graphdef, cfg).lower(abstract, tokens) \
-        .compile(compiler_options=options).memory_analysis()
-    return analysis, abstract
+    return lowered.compile(compiler_options=options).memory_analysis()
+
+
+def start_compile(cfg: ExperimentConfig, autotune: bool = True
+                  ) -> tuple[concurrent.futures.Future, TrainState]:
+    """Lowers ``cfg``'s one-device step now and compiles it on a budget thread: the future
+    of its ``memory_analysis()``, and the abstract state. Remembered per config, so a step
+    asked for twice compiles once (``--validate`` on a model no deeper than the budget's
+    deeper probe, ``tiny``, is that probe's very step)."""
+    return _started_compile(cfg, autotune)
+
+
+@functools.lru_cache(maxsize=8)
+def _started_compile(cfg: ExperimentConfig, autotune: bool
+                     ) -> tuple[concurrent.futures.Future, TrainState]:
+    lowered, abstract = _lower_step(cfg)
+    return _in_background(_memory_analysis, lowered, autotune, None), abstract
 
 
 Progress = Callable[[str], None]  # takes a line saying what is being done, for long work
@@ -222,18 +244,6 @@ Progress = Callable[[str], None]  # takes a line saying what is being done, for 
 
 def _silent(message: str) -> None:
     del message
-
-
-def _temp_beyond_gradients(cfg: ExperimentConfig, progress: Progress) -> int:
-    moe_layers = cfg.model.num_moe_layers
-    progress(f"memory budget: compiling the step with {moe_layers} MoE layer(s) to measure "
-             "XLA's activation memory (minutes for a large step on a GPU)")
-    start = time.perf_counter()
-    analysis, abstract = _compile_step(cfg)
-    progress(f"memory budget: {moe_layers} MoE layer(s) compiled in "
-             f"{time.perf_counter() - start:.0f} s")
-    grads = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(abstract.params))
-    return analysis.temp_size_in_bytes - grads
 
 
 class DepthFit(NamedTuple):
@@ -253,8 +263,19 @@ def depth_fit(cfg: ExperimentConfig, micro_batch: int, progress: Progress = _sil
     autodiff's residuals overstates, and how XLA packs the stack's buffers at depth."""
     deep = min(cfg.model.num_moe_layers, CALIBRATION_MOE_LAYERS)
     shallow = max(deep - 1, 0)
-    beyond = {n: _temp_beyond_gradients(_at_depth(cfg, micro_batch, n), progress)
-              for n in sorted({shallow, deep})}
+    start = time.perf_counter()
+    started = {}
+    for n in sorted({shallow, deep}):
+        progress(f"memory budget: lowering the step with {n} MoE layer(s) and compiling it "
+                 "to measure XLA's activation memory (minutes for an FP8 step on a GPU)")
+        started[n] = start_compile(_at_depth(cfg, micro_batch, n))
+    beyond = {}
+    for n, (future, abstract) in started.items():
+        analysis = future.result()
+        progress(f"memory budget: {n} MoE layer(s) compiled, "
+                 f"{time.perf_counter() - start:.0f} s after the first lowering began")
+        grads = sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(abstract.params))
+        beyond[n] = analysis.temp_size_in_bytes - grads
     per_layer = max(beyond[deep] - beyond[shallow], 0)
     return DepthFit(per_layer, max(beyond[shallow] - shallow * per_layer, 0), (shallow, deep))
 
@@ -412,11 +433,20 @@ def check_fits(cfg: ExperimentConfig, device: jax.Device, progress: Progress = _
     return budget
 
 
+def at_micro_batch(cfg: ExperimentConfig, micro_batch: int | None) -> ExperimentConfig:
+    """``cfg`` with ``micro_batch`` sequences a step (as it is for None)."""
+    if micro_batch is None:
+        return cfg
+    return apply_overrides(cfg, [f"train.batch_size={micro_batch}"])
+
+
 def compiled_peak(cfg: ExperimentConfig, micro_batch: int | None = None, *,
                   autotune: bool = True, dump_to: str | None = None) -> tuple[int, Any]:
     """XLA's own peak (arguments + temp) of the real one-device step, and its analysis;
-    ``dump_to`` as in ``_compile_step``."""
-    if micro_batch is not None:
-        cfg = apply_overrides(cfg, [f"train.batch_size={micro_batch}"])
-    analysis, _ = _compile_step(cfg, autotune, dump_to)
+    ``dump_to`` as in ``_memory_analysis`` (a dumped compile is never remembered)."""
+    cfg = at_micro_batch(cfg, micro_batch)
+    if dump_to is None:
+        analysis = start_compile(cfg, autotune)[0].result()
+    else:
+        analysis = _memory_analysis(_lower_step(cfg)[0], autotune, dump_to)
     return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes, analysis
