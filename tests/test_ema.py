@@ -94,6 +94,7 @@ def test_training_with_ema_evaluates_and_resumes(tmp_path):
 def test_trainer_blends_the_ema_only_on_due_steps(tmp_path, monkeypatch):
     """``train.ema_every=2`` over 5 steps: blends after steps 2 and 4, and nowhere else."""
     from moejax.train.loop import Trainer  # needs grain, which the GPU image lacks
+    from moejax.train.step import state_initializer
 
     blends = []
     update = HostEMA.update
@@ -102,8 +103,15 @@ def test_trainer_blends_the_ema_only_on_due_steps(tmp_path, monkeypatch):
         "model.num_hidden_layers=2", "train.seq_len=16", "train.batch_size=4",
         "train.warmup_steps=1", "train.steps=5", "train.eval_every=0", "train.ema_decay=0.5",
         "train.ema_every=2"])
-    Trainer(cfg, tmp_path, resume=False, log=lambda _: None).run()
+    logged = []
+    Trainer(cfg, tmp_path, resume=False, log=logged.append).run()
     assert len(blends) == 2
+    # the run names what an update moves: the whole FP32 parameter set on one device
+    _, init = state_initializer(cfg)
+    copy = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        jax.eval_shape(init, jnp.uint32(0)).params))
+    assert (f"host EMA: each update moves {copy / 1e6:,.1f} MB per device each way"
+            in "\n".join(logged)), logged
 
 
 @pytest.mark.gpu

@@ -142,7 +142,7 @@ def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
     return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def _per_device(tree: Any, shardings: Any) -> int:
+def per_device_bytes(tree: Any, shardings: Any) -> int:
     """Bytes of one device's shards (the shardings split stacks over ``pipe`` where they
     can, so every device holds the same)."""
     return sum(_nbytes(sharding.shard_shape(leaf.shape), leaf.dtype)
@@ -359,9 +359,9 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     abstract: TrainState = jax.eval_shape(init, jnp.uint32(0))
     shardings = train_state_shardings(abstract, _abstract_mesh(mesh), make_optimizer(tc),
                                       tc.zero_stage)
-    params = _per_device(abstract.params, shardings.params)
-    biases = _per_device(abstract.biases, shardings.biases)
-    optimizer = _per_device(abstract.opt_state, shardings.opt_state)
+    params = per_device_bytes(abstract.params, shardings.params)
+    biases = per_device_bytes(abstract.biases, shardings.biases)
+    optimizer = per_device_bytes(abstract.opt_state, shardings.opt_state)
     pipeline = (pipeline_terms(cfg, mesh, abstract.params, micro_batch) if mesh.pipe > 1
                 else PipelineTerms(0, 1.0, 0))
     fit = depth_fit(cfg, micro_batch, progress)

@@ -22,7 +22,7 @@ from moejax.config import ConfigError
 from moejax.data.corpus import resolve_data_dir
 from moejax.data.pipeline import LoaderSpec, make_dataset
 from moejax.data.shards import read_info, unigram_entropy
-from moejax.memory.budget import GIB, check_fits
+from moejax.memory.budget import GIB, check_fits, per_device_bytes
 from moejax.memory.ema import HostEMA
 from moejax.parallel.expert import expert_parallel_options
 from moejax.parallel.mesh import build_mesh
@@ -154,6 +154,11 @@ class Trainer:
         state_sh = train_state_shardings(abstract, self.mesh, make_optimizer(tc), tc.zero_stage)
         ema = HostEMA(tc.ema_decay, state_sh.params, tc.ema_every) if tc.ema_decay else None
         ema_state = None
+        if ema and ema.on_host:
+            copy = per_device_bytes(abstract.params, state_sh.params)
+            self.log(f"host EMA: each update moves {copy / 1e6:,.1f} MB per device each way "
+                     f"over the host link, on the device's queue, every {ema.every} step(s) "
+                     "(train.ema_every; docs/memory.md)")
         batch_sh = batch_sharding(self.mesh)
         self.log(f"mesh {cfg.mesh} over {self.mesh.size} device(s) in {jax.process_count()} "
                  f"process(es); ZeRO-{tc.zero_stage}; expert transport "
