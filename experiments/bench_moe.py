@@ -165,7 +165,7 @@ def measure_and_print(sizes: list[int], transports: list[str], formats: list[str
                 print(f"{r['expert']:>6} {r['transport']:>9} {r['tokens']:>7} "
                       f"{r['layer_ms']:>9.2f} {r['tokens_per_s_per_device']:>11.0f} "
                       f"{r['tokens_per_s_per_device'] / base:>8.2f} {r['exchange_ms']:>8.2f} "
-                      f"{r['exchange_GBps']:>9.1f} {r['raw_a2a_GBps']:>12.1f} "
+                      f"{r['exchange_GBps']:>9.4g} {r['raw_a2a_GBps']:>12.4g} "
                       f"{r['exchange_GBps'] / r['raw_a2a_GBps']:>8.2f} {r['comm_ms']:>8.2f} "
                       f"{r['gemm_ms']:>8.2f} {r['movement_ms']:>8.2f} "
                       f"{r['exposed_comm_ms']:>8.2f} {r['idle_ms']:>8.2f}", flush=True)
