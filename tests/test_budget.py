@@ -30,9 +30,8 @@ def test_budget_within_10_percent_of_xla(remat, precision):
     budget = budget_model.estimate(cfg, progress=progress.append)
     peak, _ = budget_model.compiled_peak(cfg)
     assert abs(budget.device_total / peak - 1) < 0.10, budget.table()
-    # each reduced-depth compile is announced before it starts and timed when it ends
-    # both reduced-depth compiles start (lowered here, compiled on budget threads), then
-    # each is reported done
+    # both reduced-depth compiles are announced as they start (lowered here, compiled on
+    # budget threads), then each is reported done with its time
     assert [m.split(": ")[1].split(" MoE")[0] for m in progress] == [
         "lowering the step with 2", "lowering the step with 3", "2", "3"], progress
 

@@ -51,7 +51,7 @@ class HostEMA:
             raise ValueError(f"EMA decay {decay!r}: must be in (0, 1)")
         if every < 1:
             raise ValueError(f"EMA every={every!r}: must be a positive number of steps")
-        self.decay = decay ** every
+        self.blend_decay = decay ** every  # what one blend keeps of the EMA
         self.every = every
         leaves = jax.tree.leaves(param_shardings)
         self.on_host = all(has_host_memory(d) for s in leaves for d in s.device_set)
@@ -74,7 +74,7 @@ class HostEMA:
         return self._update(ema, params, jnp.asarray(finite, jnp.bool_))
 
     def _blend(self, ema: Any, params: Any, finite: jax.Array) -> Any:
-        decay = self.decay
+        decay = self.blend_decay
 
         def one(e: jax.Array, p: jax.Array, sharding: Any) -> jax.Array:
             e = jax.device_put(e, sharding)  # host shard -> device, inside the program
