@@ -282,6 +282,7 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+@functools.partial(jax.jit, static_argnames=("b_kn", "out_dtype", "cfg", "interpret"))
 def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
                    cfg: Bf16Config | None = None, interpret: bool = False) -> jax.Array:
     """Rows of group g of a (M, K) @ b[g]: b (G, K, N) when b_kn, else b (G, N, K) used
@@ -306,6 +307,7 @@ def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "cfg"))
 def grouped_matmul_tn(x, y, group_sizes, *, out_dtype=jnp.bfloat16,
                       cfg: Bf16Config | None = None) -> jax.Array:
     """(G, P, Q): x_g^T @ y_g over each group's rows of x (M, P) and y (M, Q); groups

@@ -62,6 +62,12 @@ def persistent_call(body, out_type, *operands, name: str, interpret: bool = Fals
     """``body`` on a persistent grid (one CTA per SM) of one TMA producer and two consumer
     warpgroups, on ``operands``. ``name`` is what profiles call the kernel (`named`).
 
+    Every public entry that calls this is a ``jax.jit`` with its settings static: calls
+    with equal shapes and settings then share one traced jaxpr, so jax lowers the kernel
+    once per program and XLA compiles it once, however many layers call it. Unjitted,
+    each call site was lowered and compiled anew (the FP8 `tiny` step: 129 kernels and
+    67 s of compile on the H100, against 43 and 34 s; docs/performance.md, session 35).
+
     ``interpret``: run on the CPU under Mosaic GPU's interpreter, on `INTERPRETED_SMS`
     CTAs, to test a kernel's logic without a GPU. jax 0.10's interpreter runs the
     row-grouped BF16 kernel with N-major weights (fprop); it does not yet interpret

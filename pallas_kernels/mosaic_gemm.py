@@ -425,6 +425,7 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
                 store((_wgmma_zeros(),) * halves)
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "cfg"))
 def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.bfloat16,
                           cfg: MosaicConfig | None = None) -> jax.Array:
     """dequant(a) rows of group g @ dequant(b[g])^T; a (M, K) FP8 with 1x128 scales
@@ -454,6 +455,7 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "cfg", "piece"))
 def scaled_grouped_matmul_tn(x, y, group_sizes, *, x_scale, y_scale, out_dtype=jnp.bfloat16,
                              cfg: MosaicConfig | None = None, piece: int | None = None
                              ) -> jax.Array:

@@ -243,6 +243,22 @@ def test_mosaic_kernel_outputs_vary_like_their_operands(monkeypatch):
     assert {k: "expert" in str(t) for k, t in types.items()} == dict.fromkeys(types, True), types
 
 
+def test_mosaic_kernels_lower_once_per_shape_and_settings(monkeypatch):
+    """Each Mosaic GPU entry is a jit, so calls with equal shapes and settings share one
+    lowered kernel: a step's identical layers lower and compile it once, not once per call
+    site (the FP8 `tiny` step on the H100: lowering 29 -> 12 s, compile 67 -> 34 s;
+    docs/performance.md, session 35). Lowered for a GPU from the CPU."""
+    from pallas_kernels import mosaic_common
+
+    monkeypatch.setattr(mosaic_common, "sm_count", lambda: 132)
+
+    def twice(*operands):
+        return _mosaic_calls(*operands), _mosaic_calls(*operands)
+
+    text = jax.jit(twice).trace(*_MOSAIC_OPERANDS).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 4, text.count("custom_call @mosaic_gpu")
+
+
 def _mosaic_calls(a, b, sizes, a8, a_scale, b8, b_scale) -> dict[str, jax.Array]:
     """One call of each Mosaic GPU kernel on `_MOSAIC_OPERANDS`-shaped inputs."""
     from pallas_kernels import mosaic_bf16_gemm, mosaic_gemm
