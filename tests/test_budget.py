@@ -11,7 +11,7 @@ from moejax.memory import budget as budget_model
 from moejax.parallel.mesh import MeshSpec
 from moejax.train.config import apply_overrides, get_experiment_preset
 
-# Deeper than the budget's reduced-depth copies (the dense layers + 2 and 3 MoE layers), so
+# Deeper than the budget's reduced-depth copies (the dense layers + 3 and 4 MoE layers), so
 # the estimate extrapolates rather than compiling the very step it is checked against. No MTP
 # and no dense layer keep the compiles short.
 SHAPES = ["model.num_hidden_layers=5", "model.first_k_dense_replace=0",
@@ -33,7 +33,7 @@ def test_budget_within_10_percent_of_xla(remat, precision):
     # both reduced-depth compiles are announced as they start (lowered here, compiled on
     # budget threads), then each is reported done with its time
     assert [m.split(": ")[1].split(" MoE")[0] for m in progress] == [
-        "lowering the step with 2", "lowering the step with 3", "2", "3"], progress
+        "lowering the step with 3", "lowering the step with 4", "3", "4"], progress
 
 
 @pytest.fixture

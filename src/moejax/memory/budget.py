@@ -18,9 +18,10 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
 - **EMA**: a parameter copy in pinned host memory (``moejax.memory.ema``): 0 device bytes
   where the backend has ``pinned_host``, else counted on the device.
 - **saved activations** (per micro-batch): what XLA keeps for the MoE layers' backward,
-  measured (``depth_fit``): two reduced-depth copies of the step (the dense layers and 2 or
-  3 MoE layers, per-device micro-batch) are compiled alone on this backend, and the growth
-  of their temp beyond the gradients per MoE layer is taken for every MoE layer. It is
+  measured (``depth_fit``): two reduced-depth copies of the step (the dense layers and 3 and
+  4 MoE layers, or fewer in a shallower model; per-device micro-batch) are compiled alone
+  on this backend, and the growth of their temp beyond the gradients per MoE layer is taken
+  for every MoE layer. It is
   XLA's own keep under the remat policy, the compute dtype and FP8 storage, net of what XLA
   fuses away or recomputes (a count of autodiff's residuals, as earlier versions used,
   overstated the full-remat `small` step on the GPU by 21%). With ``pipe`` > 1 the executor keeps only
@@ -170,7 +171,11 @@ def _abstract_mesh(mesh: MeshSpec) -> AbstractMesh:
     return AbstractMesh(mesh.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-CALIBRATION_MOE_LAYERS = 3  # the deeper reduced copy; the shallower has one MoE layer less
+# MoE layers of the deeper reduced copy; the shallower has one less. Why not 3: on the GPU,
+# a copy with 2 MoE layers peaks in its loss head's backward, a constant that hid the
+# stack's growth per layer from the fit (`small` with full remat: 0 per layer, -11.1% in
+# FP8; docs/performance.md, session 35); from 3 MoE layers the peak is the stack's.
+CALIBRATION_MOE_LAYERS = 4
 # XLA's last-resort rematerialization (run when a step exceeds the device) is off when the
 # budget compiles: an over-limit step then compiles in its normal time and reports its true
 # size, instead of minutes of a pass that rarely brings it under the limit.
@@ -256,7 +261,7 @@ class DepthFit(NamedTuple):
 
 def depth_fit(cfg: ExperimentConfig, micro_batch: int, progress: Progress = _silent
               ) -> DepthFit:
-    """Two copies of the step with 2 and 3 MoE layers (fewer if the model has fewer; XLA
+    """Two copies of the step with 3 and 4 MoE layers (fewer if the model has fewer; XLA
     unrolls a one-trip layer scan, so one layer alone is not typical of the stack). The
     slope is XLA's own keep per layer: it counts what XLA fuses away or recomputes (an
     ``exp`` re-derived from its logits, a remat policy's recomputation), which a count of
