@@ -21,8 +21,7 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   measured (``depth_fit``): two reduced-depth copies of the step (the dense layers and 3 and
   4 MoE layers, or fewer in a shallower model; per-device micro-batch) are compiled alone
   on this backend, and the growth of their temp beyond the gradients per MoE layer is taken
-  for every MoE layer. It is
-  XLA's own keep under the remat policy, the compute dtype and FP8 storage, net of what XLA
+  for every MoE layer. It is XLA's own keep under the remat policy, the compute dtype and FP8 storage, net of what XLA
   fuses away or recomputes (a count of autodiff's residuals, as earlier versions used,
   overstated the full-remat `small` step on the GPU by 21%). With ``pipe`` > 1 the executor keeps only
   stage inputs between ticks and recomputes a stage in its B tick: the largest stage's
@@ -171,10 +170,12 @@ def _abstract_mesh(mesh: MeshSpec) -> AbstractMesh:
     return AbstractMesh(mesh.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-# MoE layers of the deeper reduced copy; the shallower has one less. Why not 3: on the GPU,
-# a copy with 2 MoE layers peaks in its loss head's backward, a constant that hid the
-# stack's growth per layer from the fit (`small` with full remat: 0 per layer, -11.1% in
-# FP8; docs/performance.md, session 35); from 3 MoE layers the peak is the stack's.
+# MoE layers of the deeper reduced copy; the shallower has one less. Why not 3: on the GPU
+# the `small` step peaks at its end, where every MoE layer's expert gradients are live, so
+# the peak grows by a layer's gradients per MoE layer; a copy with 2 MoE layers peaks
+# elsewhere, at a point that does not grow with depth, which hid that growth from the fit
+# (full remat: 0 per layer, -11.1% in FP8; docs/performance.md, session 35). From 3 MoE
+# layers the end is the peak.
 CALIBRATION_MOE_LAYERS = 4
 # XLA's last-resort rematerialization (run when a step exceeds the device) is off when the
 # budget compiles: an over-limit step then compiles in its normal time and reports its true
