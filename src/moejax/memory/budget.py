@@ -21,12 +21,13 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   measured (``depth_fit``): two reduced-depth copies of the step (the dense layers and 3 and
   4 MoE layers, or fewer in a shallower model; per-device micro-batch) are compiled alone
   on this backend, and the growth of their temp beyond the gradients per MoE layer is taken
-  for every MoE layer. It is XLA's own keep under the remat policy, the compute dtype and FP8 storage, net of what XLA
-  fuses away or recomputes (a count of autodiff's residuals, as earlier versions used,
-  overstated the full-remat `small` step on the GPU by 21%). With ``pipe`` > 1 the executor keeps only
-  stage inputs between ticks and recomputes a stage in its B tick: the largest stage's
-  share of one micro-batch's MoE-layer keep, plus the stage inputs and gradients its
-  buffers hold at once (``parallel.pipeline.tables``, busiest rank).
+  for every MoE layer. It is XLA's own keep under the remat policy, the compute dtype and
+  FP8 storage, net of what XLA fuses away or recomputes (a count of autodiff's residuals,
+  as earlier versions used, overstated the full-remat `small` step on the GPU by 21%).
+  With ``pipe`` > 1 the executor keeps only stage inputs between ticks and recomputes a
+  stage in its B tick: the largest stage's share of one micro-batch's MoE-layer keep, plus
+  the stage inputs and gradients its buffers hold at once (``parallel.pipeline.tables``,
+  busiest rank).
 - **backward workspace**: the rest of the shallower copy's temp beyond its gradients and
   its MoE layers' keep: the dense layers', MTP's and the loss head's activations, the
   activations and cotangents of the block being differentiated, and kernel scratch (on
@@ -234,7 +235,9 @@ def start_compile(cfg: ExperimentConfig, autotune: bool = True
     """Lowers ``cfg``'s one-device step now and compiles it on a budget thread: the future
     of its ``memory_analysis()``, and the abstract state. Remembered per config, so a step
     asked for twice compiles once (``--validate`` on a model no deeper than the budget's
-    deeper probe, ``tiny``, is that probe's very step)."""
+    deeper probe, ``tiny``, is that probe's very step). The cache sits behind this call,
+    which passes both arguments by position: ``lru_cache`` keys a defaulted argument apart
+    from the same value passed."""
     return _started_compile(cfg, autotune)
 
 
