@@ -211,16 +211,25 @@ def weight_rows(shape: tuple[int, int, int], repeats: int, interpret: bool) -> l
 
 def swiglu_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[Row]:
     """swiglu_quantize of BF16 gate and up (M, I): floor = 4 bytes read and 1 written per
-    element, plus the scales. Checked as "rel": Triton's SiLU rounds a few BF16 values one
-    ulp off XLA's."""
+    element, plus the scales; with_inputs writes gate's and up's FP8 copies too (2 bytes
+    more an element, and their scales). Checked as "rel": Triton's SiLU rounds a few BF16
+    values one ulp off XLA's."""
     rows, cols = shape
     keys = jax.random.split(jax.random.key(rows + cols), sets_fitting(4 * rows * cols))
     args = [tuple(jax.random.normal(k, shape, jnp.bfloat16) * 3 for k in jax.random.split(key))
             for key in keys]
-    floor = 5 * rows * cols + 4 * rows * cdiv(cols, TILE)
-    kernel = functools.partial(tm.swiglu_quantize, interpret=interpret)
-    return _measured_row(f"M={rows} I={cols}", "swiglu_quantize (gate, up -> FP8)", floor,
-                         kernel, ref.swiglu_quantize, args, "rel", repeats)
+    scales = 4 * rows * cdiv(cols, TILE)
+    out = []
+    for with_inputs, name in ((False, "swiglu_quantize (gate, up -> FP8)"),
+                              (True, "swiglu_quantize with_inputs (+ gate, up FP8)")):
+        copies = 3 if with_inputs else 1
+        floor = (4 + copies) * rows * cols + copies * scales
+        kernel = functools.partial(tm.swiglu_quantize, with_inputs=with_inputs,
+                                   interpret=interpret)
+        xla = functools.partial(ref.swiglu_quantize, with_inputs=with_inputs)
+        out += _measured_row(f"M={rows} I={cols}", name, floor, kernel, xla, args, "rel",
+                             repeats)
+    return out
 
 
 def _measured_row(label, name, floor, kernel, xla, args, check, repeats) -> list[Row]:

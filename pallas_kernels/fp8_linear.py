@@ -156,26 +156,34 @@ def fp8_swiglu_grouped_linear(gate: jax.Array, up: jax.Array, w: jax.Array,
     Forward makes the FP8 operand in one pass (``movement.swiglu_quantize``); a row's
     weight multiplies its 1x128 scales, which is the quantization of the weighted row
     (its tiles' FP8 values are the same). Backward keeps gate and up as FP8 copies (1x128
-    scales) and recomputes SwiGLU from them, instead of keeping gate, up (BF16) and
-    SwiGLU's FP8 copy: 2 bytes per intermediate element, not 5.
+    scales, written by that same pass) and recomputes SwiGLU from them, instead of keeping
+    gate, up (BF16) and SwiGLU's FP8 copy: 2 bytes per intermediate element, not 5.
     """
-    return _swiglu_fwd(gate, up, w, group_sizes, row_weights)[0]
+    return _swiglu_forward(gate, up, w, group_sizes, row_weights, keep=False)[0]
 
 
 def _swiglu(gate, up, dtype) -> jax.Array:
     return swiglu_fp32(gate, up).astype(dtype)
 
 
-def _swiglu_fwd(gate, up, w, group_sizes, row_weights):
+def _swiglu_forward(gate, up, w, group_sizes, row_weights, keep: bool):
+    """y, and with ``keep`` the residuals: gate and up quantized 1x128 by the same pass
+    that makes the down projection's operand."""
     sizes = group_sizes.astype(jnp.int32)
     wq, wq_t = _quantized_weights(w)
-    hq, hs = swiglu_quantize(gate, up)
+    hq, hs, *inputs = swiglu_quantize(gate, up, with_inputs=keep)
     if row_weights is not None:
         hs = hs * row_weights.astype(jnp.float32)[:, None]
     y = _fprop((hq, hs), wq_t, sizes, gate.dtype)
-    saved = (as_residual(quantize_1x128(gate)), as_residual(quantize_1x128(up)),
-             as_residual(wq), sizes, row_weights, _dtype_marker(gate), _dtype_marker(w))
-    return y, saved
+    if not keep:
+        return y, None
+    gate_q, up_q = as_residual(inputs[:2]), as_residual(inputs[2:])
+    return y, (gate_q, up_q, as_residual(wq), sizes, row_weights, _dtype_marker(gate),
+               _dtype_marker(w))
+
+
+def _swiglu_fwd(gate, up, w, group_sizes, row_weights):
+    return _swiglu_forward(gate, up, w, group_sizes, row_weights, keep=True)
 
 
 def _swiglu_bwd(res, dy):

@@ -238,12 +238,16 @@ def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return _impl("quantize_weights", (w.shape, w.dtype), (w.shape, jnp.float8_e4m3fn))(w)
 
 
-def swiglu_quantize(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, jax.Array]:
+def swiglu_quantize(gate: jax.Array, up: jax.Array, *, with_inputs: bool = False
+                    ) -> tuple[jax.Array, ...]:
     """quantize_1x128(SwiGLU(gate, up)) of the 16-bit (M, I) gate and up rows, with SwiGLU in
     FP32 rounded to gate's dtype first: one read of gate and up, one write of the (M, I) FP8
-    rows and (M, ceil(I/128)) scales."""
+    rows and (M, ceil(I/128)) scales. ``with_inputs``: then also quantize_1x128(gate) and
+    quantize_1x128(up), values and scales, from the same read (an FP8 SwiGLU linear keeps
+    them for backward; XLA's compile of those two took an amax pass and a quantizing pass
+    each)."""
     if gate.ndim != 2 or gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"swiglu_quantize wants gate and up of one (M, I) shape and dtype, got "
                          f"{gate.shape} {gate.dtype} and {up.shape} {up.dtype}")
     return _impl("swiglu_quantize", (gate.shape, gate.dtype), (gate.shape, jnp.float8_e4m3fn))(
-        gate, up)
+        gate, up, with_inputs=with_inputs)

@@ -75,7 +75,12 @@ def swiglu_fp32(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
 
 
-def swiglu_quantize(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, jax.Array]:
+def swiglu_quantize(gate: jax.Array, up: jax.Array, with_inputs: bool = False
+                    ) -> tuple[jax.Array, ...]:
     """quantize_1x128 of SwiGLU(gate, up) (M, I) rounded to gate's dtype: (M, I) FP8 and
-    (M, ceil(I/128)) FP32 scales, the FP8 down projection's fprop operand."""
-    return quantize_1x128(swiglu_fp32(gate, up).astype(gate.dtype))
+    (M, ceil(I/128)) FP32 scales, the FP8 down projection's fprop operand. ``with_inputs``:
+    followed by quantize_1x128(gate) and quantize_1x128(up) (what its backward keeps)."""
+    hidden = quantize_1x128(swiglu_fp32(gate, up).astype(gate.dtype))
+    if not with_inputs:
+        return hidden
+    return hidden + quantize_1x128(gate) + quantize_1x128(up)

@@ -16,7 +16,8 @@ the output, the index math and quantization in registers between them.
 - `quantize_weights`: an FP8 linear's 128x128 weight blocks, quantized once from the stored
   (G, K, N) weights and written in both layouts the GEMMs read.
 - `swiglu_quantize`: SwiGLU of the 16-bit gate and up rows, quantized 1x128 in the same
-  pass (the FP8 down projection's input; XLA wrote it in FP32 and read it twice more).
+  pass (the FP8 down projection's input; XLA wrote it in FP32 and read it twice more), and
+  on request gate and up quantized too (the FP8 copies backward keeps), from the same read.
 
 Quantization is bit-identical to `quantize.quantize_1x128` on the same platform: the same
 FP32 operations in the same order (`swiglu_quantize`'s SiLU is not: Triton's exp is not
@@ -404,10 +405,12 @@ def quantize_weights(w, *, interpret=False, out_init=None):
                        WEIGHT_CONFIG, interpret, out_init))
 
 
-def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *, rows, cols, cfg, saturating):
+def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *inputs_refs, rows, cols, cfg,
+                            saturating):
     """Program (i, j): rows i*bt.., columns j*bh.. of gate and up, read once; SwiGLU in FP32,
     rounded to the inputs' dtype, quantized per 1x128 tile (masked lanes load 0, which
-    leaves each tile's amax alone)."""
+    leaves each tile's amax alone). ``inputs_refs``: where given, gate and up themselves
+    are quantized from the same registers into them (values and scales of each)."""
     bt, bh = cfg.block_rows, cfg.block_cols
     i, j = pl.program_id(0), pl.program_id(1)
     row_ids = i * bt + _iota(bt)
@@ -418,22 +421,31 @@ def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *, rows, cols, cfg, satu
     up = pltriton.load(u_ref.at[r, c], mask=mask, other=0).astype(jnp.float32)
     hidden = (jax.nn.silu(gate) * up).astype(g_ref.dtype).astype(jnp.float32)
     nb = bh // TILE
-    q, scale = _quantize_rows(hidden.reshape(bt * nb, TILE), saturating)
-    pltriton.store(q_ref.at[r, c], q.reshape(bt, bh), mask=mask)
     tiles = j * nb + _iota(nb)
-    tile_in = (tiles < cdiv(cols, TILE))[None, :]
-    pltriton.store(s_ref.at[row_ids[:, None], tiles[None, :]],
-                   scale.reshape(bt, nb), mask=row_in[:, None] & tile_in)
+    scale_index = (row_ids[:, None], tiles[None, :])
+    scale_mask = row_in[:, None] & (tiles < cdiv(cols, TILE))[None, :]
+
+    def store_quantized(v, values_ref, scales_ref):
+        q, scale = _quantize_rows(v.reshape(bt * nb, TILE), saturating)
+        pltriton.store(values_ref.at[r, c], q.reshape(bt, bh), mask=mask)
+        pltriton.store(scales_ref.at[scale_index], scale.reshape(bt, nb), mask=scale_mask)
+
+    store_quantized(hidden, q_ref, s_ref)
+    if inputs_refs:
+        gq_ref, gs_ref, uq_ref, us_ref = inputs_refs
+        store_quantized(gate, gq_ref, gs_ref)
+        store_quantized(up, uq_ref, us_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def swiglu_quantize(gate, up, *, cfg=None, interpret=False, out_init=None):
+@functools.partial(jax.jit, static_argnames=("with_inputs", "cfg", "interpret"))
+def swiglu_quantize(gate, up, *, with_inputs=False, cfg=None, interpret=False, out_init=None):
     """See movement_reference.swiglu_quantize: one read of gate and up, one write of the FP8
-    rows and scales."""
+    rows and scales (and with_inputs, of gate's and up's own)."""
     cfg = _quantizing(_narrowed(cfg or SWIGLU_CONFIG, gate.shape[1]), "swiglu_quantize")
     rows, cols = gate.shape
-    outs = (_out_shape((rows, cols), FP8, gate, up),
-            _out_shape((rows, cdiv(cols, TILE)), jnp.float32, gate, up))
+    quantized = (_out_shape((rows, cols), FP8, gate, up),
+                 _out_shape((rows, cdiv(cols, TILE)), jnp.float32, gate, up))
+    outs = quantized * (3 if with_inputs else 1)
     kernel = functools.partial(_swiglu_quantize_kernel, rows=rows, cols=cols, cfg=cfg,
                                saturating=not interpret)
     grid = (cdiv(rows, cfg.block_rows), cdiv(cols, cfg.block_cols))

@@ -10,6 +10,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import triton_gemm as tg
+from pallas_kernels.fp8_linear import fp8_swiglu_grouped_linear
 from pallas_kernels.group_schedule import aligned_layout
 from pallas_kernels.quantize import dequantize
 
@@ -178,6 +179,29 @@ def test_fp8_grouped_linear_grads_gpu(backend):
 
     got, want = grads(backend), grads("reference")
     assert _rel(got[0], want[0]) <= 1e-2 and _rel(got[1], want[1]) <= 1e-2
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=pytest.mark.mosaic)])
+def test_fp8_swiglu_grouped_linear_grads_gpu(backend):
+    """The SwiGLU down projection, whose forward kernel also writes the FP8 copies of gate
+    and up that backward recomputes from: output and all three gradients (gate, up, the
+    router weights; the weights) against the reference backend."""
+    m, i, n = 1300, 704, 256
+    ks = jax.random.split(jax.random.key(8), 5)
+    gate, up = (jax.random.normal(key, (m, i), jnp.bfloat16) * 2 for key in ks[:2])
+    w = jax.random.normal(ks[2], (len(SIZES), i, n), jnp.float32) / 16
+    row_weights = jax.random.uniform(ks[3], (m,), jnp.float32)
+    dy = jax.random.normal(ks[4], (m, n), jnp.bfloat16)
+    sizes = jnp.asarray(SIZES)
+
+    def run(name):
+        with pk.use_backend(name):
+            y, pullback = jax.vjp(lambda *a: fp8_swiglu_grouped_linear(*a[:3], sizes, a[3]),
+                                  gate, up, w, row_weights)
+            return (y, *pullback(dy))
+
+    for got, want in zip(run(backend), run("reference")):
+        assert _rel(got, want) <= 2e-2
 
 
 @pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=pytest.mark.mosaic)])

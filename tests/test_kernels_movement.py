@@ -8,6 +8,7 @@ explicit poisoned buffer) so an unwritten element fails the comparison.
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -281,6 +282,30 @@ def test_swiglu_quantize_is_quantize_1x128_of_swiglu(request, rows, cols):
     _check_swiglu_quantized(*pk.swiglu_quantize(gate, up), gate, up, exact=True)
 
 
+@pytest.mark.parametrize("rows,cols", [(45, 704), (33, 130)])
+def test_swiglu_quantize_with_inputs_adds_quantize_1x128_of_gate_and_up(request, rows, cols):
+    """The inputs' copies from the same pass: bitwise quantize_1x128 of gate and of up,
+    each tile with its own scale (one gate row holds a 1e4x outlier), the SwiGLU output
+    unchanged; every output poisoned first."""
+    rng = _rng(request)
+    gate, up = (rng.standard_normal((rows, cols)) * 3 for _ in "gu")
+    gate[rows // 2, 5] = 3e4
+    gate, up = (jnp.asarray(a, jnp.bfloat16) for a in (gate, up))
+    poison = (jnp.full((rows, cols), jnp.nan, jnp.float8_e4m3fn),
+              jnp.full((rows, -(-cols // 128)), jnp.nan)) * 3
+    got = tm.swiglu_quantize(gate, up, with_inputs=True, cfg=SMALL, interpret=True,
+                             out_init=poison)
+    assert len(got) == 6
+    if jax.default_backend() == "cpu":
+        _check_swiglu_quantized(*got[:2], gate, up, exact=True)
+    for (q, s), x in zip((got[2:4], got[4:]), (gate, up)):
+        want_q, want_s = pk.quantize_1x128(x)
+        np.testing.assert_array_equal(_bits(q), _bits(want_q))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
+    for a, b in zip(pk.swiglu_quantize(gate, up, with_inputs=True), got):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
 def test_swiglu_quantize_names_mismatched_inputs():
     with pytest.raises(ValueError, match="one \\(M, I\\) shape and dtype"):
         pk.swiglu_quantize(jnp.zeros((4, 256), jnp.bfloat16), jnp.zeros((4, 128), jnp.bfloat16))
@@ -390,7 +415,8 @@ def test_inverse_permutation_kernel_inverts(request, n):
 @pytest.mark.parametrize("op", ["permute_fp8", "permute_fp8_words", "permute", "combine",
                                 "combine_backward", "quantize_along_tokens",
                                 "quantize_along_tokens_from_fp8", "inverse_permutation",
-                                "quantize_weights", "swiglu_quantize"])
+                                "quantize_weights", "swiglu_quantize",
+                                "swiglu_quantize_with_inputs"])
 def test_triton_kernels_lower_for_cuda(op):
     """The Triton lowering (not the interpreter) accepts every kernel: caught here, on CPU,
     before a GPU is needed."""
@@ -413,6 +439,8 @@ def test_triton_kernels_lower_for_cuda(op):
         "quantize_weights": (tm.quantize_weights,
                              (jax.ShapeDtypeStruct((k, t, h), jnp.float32),)),
         "swiglu_quantize": (tm.swiglu_quantize, (x, x)),
+        "swiglu_quantize_with_inputs": (
+            lambda g, u: tm.swiglu_quantize(g, u, with_inputs=True), (x, x)),
     }[op]
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # the scatter-form kernels run the inverse permutation's kernel first
@@ -561,7 +589,14 @@ def test_gpu_swiglu_quantize_tracks_xla():
     gate, up = (jnp.asarray(rng.standard_normal((4096, 704)) * 3, jnp.bfloat16) for _ in "gu")
     with pk.use_backend("triton"):
         q, s = jax.jit(pk.swiglu_quantize)(gate, up)
+        with_inputs = jax.jit(functools.partial(pk.swiglu_quantize, with_inputs=True))(gate, up)
     _check_swiglu_quantized(q, s, gate, up, exact=False)
+    np.testing.assert_array_equal(_bits(with_inputs[0]), _bits(q))
+    np.testing.assert_array_equal(np.asarray(with_inputs[1]), np.asarray(s))
+    for (got_q, got_s), x in zip((with_inputs[2:4], with_inputs[4:]), (gate, up)):
+        want_q, want_s = pk.quantize_1x128(x)  # XLA's compile, as the step ran it
+        _fp8_bits_match(got_q, want_q)
+        np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))
 
 
 @pytest.mark.gpu
