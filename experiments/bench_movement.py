@@ -210,16 +210,21 @@ def weight_rows(shape: tuple[int, int, int], repeats: int, interpret: bool) -> l
 
 
 def swiglu_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[Row]:
-    """swiglu_quantize of BF16 gate and up (M, I): floor = 4 bytes read and 1 written per
-    element, plus the scales; with_inputs writes gate's and up's FP8 copies too (2 bytes
-    more an element, and their scales). Checked as "rel": Triton's SiLU rounds a few BF16
-    values one ulp off XLA's."""
+    """The FP8 expert rows' (M, I) passes. quantize_rows of BF16 rows (an FP8 linear's
+    gradient for its dgrad): floor = 2 bytes read, 1 written an element, plus the scales.
+    swiglu_quantize of BF16 gate and up: 4 bytes read and 1 written an element, plus the
+    scales; with_inputs writes gate's and up's FP8 copies too (2 bytes more an element,
+    and their scales). swiglu_quantize is checked as "rel": Triton's SiLU rounds a few
+    BF16 values one ulp off XLA's."""
     rows, cols = shape
     keys = jax.random.split(jax.random.key(rows + cols), sets_fitting(4 * rows * cols))
     args = [tuple(jax.random.normal(k, shape, jnp.bfloat16) * 3 for k in jax.random.split(key))
             for key in keys]
     scales = 4 * rows * cdiv(cols, TILE)
-    out = []
+    out = _measured_row(f"M={rows} I={cols}", "quantize_rows (x -> FP8)",
+                        3 * rows * cols + scales,
+                        functools.partial(tm.quantize_rows, interpret=interpret),
+                        ref.quantize_rows, [a[:1] for a in args], "bitwise", repeats)
     for with_inputs, name in ((False, "swiglu_quantize (gate, up -> FP8)"),
                               (True, "swiglu_quantize with_inputs (+ gate, up FP8)")):
         copies = 3 if with_inputs else 1
@@ -434,7 +439,7 @@ def main() -> None:
     parser.add_argument("--weights", default=WEIGHT_SHAPES,
                         help="GxKxN weight stacks for quantize_weights ('' to skip)")
     parser.add_argument("--swiglu", default=SWIGLU_SHAPES,
-                        help="MxI expert rows for swiglu_quantize ('' to skip)")
+                        help="MxI expert rows for quantize_rows and swiglu_quantize ('' to skip)")
     parser.add_argument("--moe-tokens", default="8192,32768", help="'' to skip the MoE layer")
     parser.add_argument("--profile", default=None, help="trace dir for the MoE layer split")
     parser.add_argument("--json", default=None)

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 from pallas_kernels.backend import ops
 from pallas_kernels.gemm import scaled_matmul
 from pallas_kernels.group_schedule import AlignedLayout, aligned_layout
-from pallas_kernels.movement import quantize_along_tokens, quantize_weights, swiglu_quantize
+from pallas_kernels.movement import (quantize_along_tokens, quantize_rows, quantize_weights,
+                                     swiglu_quantize)
 from pallas_kernels.movement_reference import swiglu_fp32
-from pallas_kernels.quantize import TILE, as_residual, dequantize, from_residual, quantize_1x128
+from pallas_kernels.quantize import TILE, as_residual, dequantize, from_residual
 
 # An FP8 operand: values and their FP32 tile scales (saved as ``quantize.as_residual`` keeps
 # them: the values as uint8 bits).
@@ -64,7 +65,7 @@ def _quantized_weights(w: jax.Array) -> tuple[Quantized, Quantized]:
 
 def _dgrad(dy, w: Quantized, group_sizes, dtype) -> jax.Array:
     """dx = dy w^T: w (G, K, N) is already N-major, as the kernel reads it."""
-    dyq, dys = quantize_1x128(dy)
+    dyq, dys = quantize_rows(dy)
     return scaled_matmul(dyq, dys, *w, group_sizes, b_row_tile=TILE, out_dtype=dtype)
 
 
@@ -98,7 +99,7 @@ def _forward(x, w, sizes, x_kept: Quantized | None = None):
     """y and the FP8 residuals (in ``quantize.as_residual`` form); w is (G, K, N).
     ``x_kept``: x's 1x128 quantization in that form if the caller already has it (then x
     itself is not read, and the caller's copy is the residual: GEMMs sharing it keep one)."""
-    x_kept = as_residual(quantize_1x128(x)) if x_kept is None else x_kept
+    x_kept = as_residual(quantize_rows(x)) if x_kept is None else x_kept
     wq, wq_t = _quantized_weights(w)
     return _fprop(from_residual(x_kept), wq_t, sizes, x.dtype), (
         x_kept, as_residual(wq), sizes, _dtype_marker(x), _dtype_marker(w))

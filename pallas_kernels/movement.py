@@ -238,6 +238,16 @@ def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return _impl("quantize_weights", (w.shape, w.dtype), (w.shape, jnp.float8_e4m3fn))(w)
 
 
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``quantize.quantize_1x128(x)`` of x (M, K), values and scales bit for bit, in one
+    pass over x on the GPU backends (XLA's compile of it reads x twice: an amax pass and a
+    quantizing pass, at about 60% of copy bandwidth on the FP8 step's (98304, 704)
+    gradients; docs/performance.md, session 36)."""
+    if x.ndim != 2:
+        raise ValueError(f"quantize_rows wants x (M, K), got {x.shape}")
+    return _impl("quantize_rows", (x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn))(x)
+
+
 def swiglu_quantize(gate: jax.Array, up: jax.Array, *, with_inputs: bool = False
                     ) -> tuple[jax.Array, ...]:
     """quantize_1x128(SwiGLU(gate, up)) of the 16-bit (M, I) gate and up rows, with SwiGLU in

@@ -15,6 +15,8 @@ the output, the index math and quantization in registers between them.
   index by (one store per element, where XLA's scatter ran three kernels).
 - `quantize_weights`: an FP8 linear's 128x128 weight blocks, quantized once from the stored
   (G, K, N) weights and written in both layouts the GEMMs read.
+- `quantize_rows`: quantize_1x128 in one pass (XLA's compile reads the rows twice: an amax
+  pass, then a quantizing pass).
 - `swiglu_quantize`: SwiGLU of the 16-bit gate and up rows, quantized 1x128 in the same
   pass (the FP8 down projection's input; XLA wrote it in FP32 and read it twice more), and
   on request gate and up quantized too (the FP8 copies backward keeps), from the same read.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +76,8 @@ WEIGHT_CONFIG = MoveConfig(block_rows=TILE, block_cols=TILE, num_warps=8)
 # An H100 sweep of 8 tiles at (M, I) = (98304, 704) and (32768, 2048): 8 x 256 within 2% of
 # the best at both (86% and 90% of a same-size copy; 2.2x and 1.7x XLA).
 SWIGLU_CONFIG = MoveConfig(block_rows=8, block_cols=256)
+# quantize_1x128 in one pass: the SwiGLU tile, not yet swept on its own.
+QUANTIZE_CONFIG = SWIGLU_CONFIG
 
 
 def offsets_fit(shape: tuple[int, ...], dtype) -> bool:
@@ -405,36 +410,77 @@ def quantize_weights(w, *, interpret=False, out_init=None):
                        WEIGHT_CONFIG, interpret, out_init))
 
 
-def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *inputs_refs, rows, cols, cfg,
-                            saturating):
-    """Program (i, j): rows i*bt.., columns j*bh.. of gate and up, read once; SwiGLU in FP32,
-    rounded to the inputs' dtype, quantized per 1x128 tile (masked lanes load 0, which
-    leaves each tile's amax alone). ``inputs_refs``: where given, gate and up themselves
-    are quantized from the same registers into them (values and scales of each)."""
+class _RowTile(NamedTuple):
+    """Program (i, j)'s (block_rows, block_cols) tile of an (M, I) array quantized 1x128
+    along I: its index, element mask, and where its scales go."""
+    index: tuple
+    mask: jax.Array
+    scale_index: tuple
+    scale_mask: jax.Array
+    tiles: int  # 1x128 scale tiles a row of the block holds
+
+
+def _row_tile(rows: int, cols: int, cfg: MoveConfig) -> _RowTile:
     bt, bh = cfg.block_rows, cfg.block_cols
     i, j = pl.program_id(0), pl.program_id(1)
     row_ids = i * bt + _iota(bt)
     row_in = row_ids < rows
-    mask = row_in[:, None] & (j * bh + _iota(bh) < cols)[None, :]
-    r, c = pl.ds(i * bt, bt), pl.ds(j * bh, bh)
-    gate = pltriton.load(g_ref.at[r, c], mask=mask, other=0).astype(jnp.float32)
-    up = pltriton.load(u_ref.at[r, c], mask=mask, other=0).astype(jnp.float32)
-    hidden = (jax.nn.silu(gate) * up).astype(g_ref.dtype).astype(jnp.float32)
     nb = bh // TILE
     tiles = j * nb + _iota(nb)
-    scale_index = (row_ids[:, None], tiles[None, :])
-    scale_mask = row_in[:, None] & (tiles < cdiv(cols, TILE))[None, :]
+    return _RowTile((pl.ds(i * bt, bt), pl.ds(j * bh, bh)),
+                    row_in[:, None] & (j * bh + _iota(bh) < cols)[None, :],
+                    (row_ids[:, None], tiles[None, :]),
+                    row_in[:, None] & (tiles < cdiv(cols, TILE))[None, :], nb)
 
-    def store_quantized(v, values_ref, scales_ref):
-        q, scale = _quantize_rows(v.reshape(bt * nb, TILE), saturating)
-        pltriton.store(values_ref.at[r, c], q.reshape(bt, bh), mask=mask)
-        pltriton.store(scales_ref.at[scale_index], scale.reshape(bt, nb), mask=scale_mask)
 
-    store_quantized(hidden, q_ref, s_ref)
+def _load_tile(ref, tile: _RowTile) -> jax.Array:
+    """The tile in FP32; masked lanes load 0, which leaves each 1x128 tile's amax alone."""
+    return pltriton.load(ref.at[tile.index], mask=tile.mask, other=0).astype(jnp.float32)
+
+
+def _store_quantized(v: jax.Array, values_ref, scales_ref, tile: _RowTile,
+                     saturating: bool) -> None:
+    """quantize_1x128 of the FP32 tile v into values_ref and scales_ref."""
+    bt, bh = v.shape
+    q, scale = _quantize_rows(v.reshape(bt * tile.tiles, TILE), saturating)
+    pltriton.store(values_ref.at[tile.index], q.reshape(bt, bh), mask=tile.mask)
+    pltriton.store(scales_ref.at[tile.scale_index], scale.reshape(bt, tile.tiles),
+                   mask=tile.scale_mask)
+
+
+def _quantize_rows_kernel(x_ref, q_ref, s_ref, *, rows, cols, cfg, saturating):
+    tile = _row_tile(rows, cols, cfg)
+    _store_quantized(_load_tile(x_ref, tile), q_ref, s_ref, tile, saturating)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def quantize_rows(x, *, cfg=None, interpret=False, out_init=None):
+    """quantize_1x128(x) of x (M, K) in one pass: one read of x, one write of the FP8 rows
+    and scales (XLA's compile of the reference read x twice: an amax pass, then a
+    quantizing pass)."""
+    cfg = _quantizing(_narrowed(cfg or QUANTIZE_CONFIG, x.shape[1]), "quantize_rows")
+    rows, cols = x.shape
+    outs = (_out_shape((rows, cols), FP8, x), _out_shape((rows, cdiv(cols, TILE)), jnp.float32, x))
+    kernel = functools.partial(_quantize_rows_kernel, rows=rows, cols=cols, cfg=cfg,
+                               saturating=not interpret)
+    grid = (cdiv(rows, cfg.block_rows), cdiv(cols, cfg.block_cols))
+    return tuple(_call("quantize_rows", kernel, [x], outs, grid, cfg, interpret, out_init))
+
+
+def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *inputs_refs, rows, cols, cfg,
+                            saturating):
+    """Program (i, j): rows i*bt.., columns j*bh.. of gate and up, read once; SwiGLU in FP32,
+    rounded to the inputs' dtype, quantized per 1x128 tile. ``inputs_refs``: where given,
+    gate and up themselves are quantized from the same registers into them (values and
+    scales of each)."""
+    tile = _row_tile(rows, cols, cfg)
+    gate, up = _load_tile(g_ref, tile), _load_tile(u_ref, tile)
+    hidden = (jax.nn.silu(gate) * up).astype(g_ref.dtype).astype(jnp.float32)
+    _store_quantized(hidden, q_ref, s_ref, tile, saturating)
     if inputs_refs:
         gq_ref, gs_ref, uq_ref, us_ref = inputs_refs
-        store_quantized(gate, gq_ref, gs_ref)
-        store_quantized(up, uq_ref, us_ref)
+        _store_quantized(gate, gq_ref, gs_ref, tile, saturating)
+        _store_quantized(up, uq_ref, us_ref, tile, saturating)
 
 
 @functools.partial(jax.jit, static_argnames=("with_inputs", "cfg", "interpret"))

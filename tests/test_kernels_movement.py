@@ -282,6 +282,28 @@ def test_swiglu_quantize_is_quantize_1x128_of_swiglu(request, rows, cols):
     _check_swiglu_quantized(*pk.swiglu_quantize(gate, up), gate, up, exact=True)
 
 
+@pytest.mark.parametrize("rows,cols,dtype", [(45, 704, jnp.bfloat16), (33, 130, jnp.bfloat16),
+                                            (16, 256, jnp.float32)])
+def test_quantize_rows_is_quantize_1x128(request, rows, cols, dtype):
+    """The one-pass kernel (interpreted) and the public op: bitwise quantize_1x128, with an
+    outlier, an all-zero tile and a tile past the last whole 128 columns; outputs poisoned."""
+    x = _rng(request).standard_normal((rows, cols)) * 3
+    x[rows // 2, 3], x[1, :128] = 3e4, 0.0
+    x = jnp.asarray(x, dtype)
+    poison = (jnp.full((rows, cols), jnp.nan, jnp.float8_e4m3fn),
+              jnp.full((rows, -(-cols // 128)), jnp.nan))
+    want_q, want_s = pk.quantize_1x128(x)
+    for q, s in (tm.quantize_rows(x, cfg=SMALL, interpret=True, out_init=poison),
+                 pk.quantize_rows(x)):
+        np.testing.assert_array_equal(_bits(q), _bits(want_q))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
+
+
+def test_quantize_rows_names_a_wrong_rank():
+    with pytest.raises(ValueError, match=r"x \(M, K\)"):
+        pk.quantize_rows(jnp.zeros((2, 4, 128), jnp.bfloat16))
+
+
 @pytest.mark.parametrize("rows,cols", [(45, 704), (33, 130)])
 def test_swiglu_quantize_with_inputs_adds_quantize_1x128_of_gate_and_up(request, rows, cols):
     """The inputs' copies from the same pass: bitwise quantize_1x128 of gate and of up,
@@ -415,7 +437,7 @@ def test_inverse_permutation_kernel_inverts(request, n):
 @pytest.mark.parametrize("op", ["permute_fp8", "permute_fp8_words", "permute", "combine",
                                 "combine_backward", "quantize_along_tokens",
                                 "quantize_along_tokens_from_fp8", "inverse_permutation",
-                                "quantize_weights", "swiglu_quantize",
+                                "quantize_weights", "quantize_rows", "swiglu_quantize",
                                 "swiglu_quantize_with_inputs"])
 def test_triton_kernels_lower_for_cuda(op):
     """The Triton lowering (not the interpreter) accepts every kernel: caught here, on CPU,
@@ -438,6 +460,7 @@ def test_triton_kernels_lower_for_cuda(op):
         "inverse_permutation": (tm.inverse_permutation, (perm,)),
         "quantize_weights": (tm.quantize_weights,
                              (jax.ShapeDtypeStruct((k, t, h), jnp.float32),)),
+        "quantize_rows": (tm.quantize_rows, (x,)),
         "swiglu_quantize": (tm.swiglu_quantize, (x, x)),
         "swiglu_quantize_with_inputs": (
             lambda g, u: tm.swiglu_quantize(g, u, with_inputs=True), (x, x)),
@@ -560,6 +583,10 @@ def test_gpu_quantizing_kernels_leave_the_clamp_to_the_fp8_cast():
     with pk.use_backend("triton"):
         q, s = jax.jit(lambda x, p: tm.permute(x, p, 1, quantize=True))(x, perm)
         qt, st = jax.jit(pk.quantize_along_tokens)(x)
+        rows_q, rows_s = jax.jit(pk.quantize_rows)(x)
+    want_rows_q, want_rows_s = pk.quantize_1x128(x)
+    _fp8_bits_match(rows_q, want_rows_q)
+    np.testing.assert_array_equal(np.asarray(rows_s), np.asarray(want_rows_s))
     want_q, want_s = pk.quantize_1x128(x[perm])
     _fp8_bits_match(q, want_q)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-from pallas_kernels import quantize_1x128
+from pallas_kernels import quantize_rows
 from pallas_kernels.quantize import as_residual
 
 from moejax.precision import Precision, grouped_linear, grouped_swiglu_linear
@@ -36,7 +36,7 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
         # Once for both GEMMs, in the form a residual is kept in: backward keeps one FP8
         # copy, not two. Gradients reach x through the GEMMs (straight through), never
         # through the rounding.
-        x_fp8 = as_residual(quantize_1x128(jax.lax.stop_gradient(x)))
+        x_fp8 = as_residual(quantize_rows(jax.lax.stop_gradient(x)))
     gate = grouped_linear(x, weights.gate, group_sizes, precision, x_fp8)
     up = grouped_linear(x, weights.up, group_sizes, precision, x_fp8)
     return grouped_swiglu_linear(gate, up, weights.down, group_sizes, precision, row_weights)

@@ -494,7 +494,7 @@ def exchange_fp8(transport: Transport, rows: jax.Array, labels: Any, context: An
 def _exchange_as_fp8(transport: Transport, rows: jax.Array, labels: Any, context: Any
                      ) -> tuple[jax.Array, Any]:
     """Quantize to FP8 with 1x128 scales, exchange the packed bytes, dequantize on arrival."""
-    packed, moved = transport.exchange(_pack_fp8(*pallas_kernels.quantize_1x128(rows)),
+    packed, moved = transport.exchange(_pack_fp8(*pallas_kernels.quantize_rows(rows)),
                                        labels, context)
     return _unpack_fp8(packed, rows.shape[1], rows.dtype)[0], moved
 
