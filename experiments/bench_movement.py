@@ -37,6 +37,7 @@ from pallas_kernels import mosaic_common
 from pallas_kernels import mosaic_movement as mm
 from pallas_kernels import movement_reference as ref
 from pallas_kernels import triton_movement as tm
+from pallas_kernels.group_schedule import aligned_layout
 from pallas_kernels.quantize import TILE, cdiv
 
 from moejax import profiling
@@ -211,7 +212,8 @@ def weight_rows(shape: tuple[int, int, int], repeats: int, interpret: bool) -> l
 
 def swiglu_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[Row]:
     """The FP8 expert rows' (M, I) passes. quantize_rows of BF16 rows (an FP8 linear's
-    gradient for its dgrad): floor = 2 bytes read, 1 written an element, plus the scales.
+    gradient for its dgrad): floor = 2 bytes read, 1 written an element, plus the scales;
+    quantize_both_ways (the gradient for dgrad and wgrad, one group): 2 read, 2 written.
     swiglu_quantize of BF16 gate and up: 4 bytes read and 1 written an element, plus the
     scales; with_inputs writes gate's and up's FP8 copies too (2 bytes more an element,
     and their scales). swiglu_quantize is checked as "rel": Triton's SiLU rounds a few
@@ -225,6 +227,12 @@ def swiglu_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[R
                         3 * rows * cols + scales,
                         functools.partial(tm.quantize_rows, interpret=interpret),
                         ref.quantize_rows, [a[:1] for a in args], "bitwise", repeats)
+    one_group = aligned_layout(jnp.asarray([rows], jnp.int32), rows)
+    out += _measured_row(f"M={rows} I={cols}", "quantize_both_ways (x -> FP8 x, x^T)",
+                         4 * rows * cols + scales + 4 * cols * cdiv(rows, TILE),
+                         lambda x: tm.quantize_both_ways(x, one_group, interpret=interpret),
+                         lambda x: ref.quantize_both_ways(x, one_group),
+                         [a[:1] for a in args], "bitwise", repeats)
     for with_inputs, name in ((False, "swiglu_quantize (gate, up -> FP8)"),
                               (True, "swiglu_quantize with_inputs (+ gate, up FP8)")):
         copies = 3 if with_inputs else 1

@@ -2,9 +2,10 @@
 
 Quantization is online. Each GEMM's scale tiles follow its contraction axis:
 fprop contracts K (x 1x128 along K, w 128x128), dgrad contracts N (dy 1x128 along
-N, w^T 128x128), wgrad contracts tokens (dy^T and x^T 1x128 along tokens; the fused
-``quantize_along_tokens`` kernel quantizes 16-bit dy and the recomputed SwiGLU output
-row-major, with no transpose pass). The wgrad operands are laid out tile-aligned
+N, w^T 128x128), wgrad contracts tokens (dy^T and x^T 1x128 along tokens, read
+row-major with no transpose pass). dy's two quantizations come from one read of it
+(``movement.quantize_both_ways``); ``quantize_along_tokens`` quantizes the recomputed
+SwiGLU output. The wgrad operands are laid out tile-aligned
 (``group_schedule.AlignedLayout``: each group's tokens start on a 128-token tile), so no
 scale tile mixes two experts' tokens and the WGMMA kernel needs no masking.
 
@@ -32,8 +33,8 @@ import jax.numpy as jnp
 from pallas_kernels.backend import ops
 from pallas_kernels.gemm import scaled_matmul
 from pallas_kernels.group_schedule import AlignedLayout, aligned_layout
-from pallas_kernels.movement import (quantize_along_tokens, quantize_rows, quantize_weights,
-                                     swiglu_quantize)
+from pallas_kernels.movement import (quantize_along_tokens, quantize_both_ways, quantize_rows,
+                                     quantize_weights, swiglu_quantize)
 from pallas_kernels.movement_reference import swiglu_fp32
 from pallas_kernels.quantize import TILE, as_residual, dequantize, from_residual
 
@@ -63,10 +64,16 @@ def _quantized_weights(w: jax.Array) -> tuple[Quantized, Quantized]:
     return (wq, scale), (wq_t, jnp.swapaxes(scale, 1, 2))
 
 
-def _dgrad(dy, w: Quantized, group_sizes, dtype) -> jax.Array:
+def _output_gradient(dy, layout: AlignedLayout) -> tuple[Quantized, Quantized]:
+    """dy (M, N) for both GEMMs, from one read: 1x128 along N for dgrad, and dy^T (N, R)
+    1x128 along the tokens in `layout` for wgrad."""
+    dyq, dys, dyq_t, dys_t = quantize_both_ways(dy, layout)
+    return (dyq, dys), (dyq_t, dys_t)
+
+
+def _dgrad(dy: Quantized, w: Quantized, group_sizes, dtype) -> jax.Array:
     """dx = dy w^T: w (G, K, N) is already N-major, as the kernel reads it."""
-    dyq, dys = quantize_rows(dy)
-    return scaled_matmul(dyq, dys, *w, group_sizes, b_row_tile=TILE, out_dtype=dtype)
+    return scaled_matmul(*dy, *w, group_sizes, b_row_tile=TILE, out_dtype=dtype)
 
 
 def _along_tokens(x: Quantized, layout: AlignedLayout) -> Quantized:
@@ -78,11 +85,11 @@ def _along_tokens(x: Quantized, layout: AlignedLayout) -> Quantized:
     return quantize_along_tokens(xq, layout, xs)
 
 
-def _wgrad(dy, x_t: Quantized, layout: AlignedLayout, dtype) -> jax.Array:
-    """dw (G, K, N) = x^T dy per group, in the weights' own layout; x_t is x^T (K, R)
-    already quantized along tokens in `layout`. One group is the dense case."""
-    dyq, dys = quantize_along_tokens(dy, layout)
-    xq, xs = x_t
+def _wgrad(dy_t: Quantized, x_t: Quantized, layout: AlignedLayout, dtype) -> jax.Array:
+    """dw (G, K, N) = x^T dy per group, in the weights' own layout; x_t is x^T (K, R) and
+    dy_t is dy^T (N, R), both quantized along tokens in `layout`. One group is the dense
+    case."""
+    (xq, xs), (dyq, dys) = x_t, dy_t
     return ops().grouped_matmul_tn(xq, dyq, layout.sizes, x_scale=xs, y_scale=dys,
                                    token_major=False, out_dtype=dtype, tile_aligned=True)
 
@@ -91,8 +98,9 @@ def _backward(res, dy):
     x, w, sizes, x_dtype, w_dtype = res
     x, w = from_residual(x), from_residual(w)
     layout = aligned_layout(sizes, dy.shape[0])
-    dx = _dgrad(dy, w, sizes, x_dtype.dtype)
-    return dx, _wgrad(dy, _along_tokens(x, layout), layout, w_dtype.dtype)
+    dy_rows, dy_t = _output_gradient(dy, layout)
+    dx = _dgrad(dy_rows, w, sizes, x_dtype.dtype)
+    return dx, _wgrad(dy_t, _along_tokens(x, layout), layout, w_dtype.dtype)
 
 
 def _forward(x, w, sizes, x_kept: Quantized | None = None):
@@ -193,7 +201,9 @@ def _swiglu_bwd(res, dy):
     dtype = x_dtype.dtype
     gate, up = (dequantize(*q, row_tile=1) for q in (gate_q, up_q))  # FP32
     hidden, swiglu_vjp = jax.vjp(lambda g, u: _swiglu(g, u, dtype), gate, up)
-    d_hidden = _dgrad(dy, wq, sizes, dtype)
+    layout = aligned_layout(sizes, dy.shape[0])
+    dy_rows, dy_t = _output_gradient(dy, layout)
+    d_hidden = _dgrad(dy_rows, wq, sizes, dtype)
     d_row_weights = None
     if row_weights is not None:
         weights = row_weights.astype(jnp.float32)[:, None]
@@ -203,8 +213,7 @@ def _swiglu_bwd(res, dy):
         d_hidden = (d_hidden.astype(jnp.float32) * weights).astype(dtype)
     # The recomputed SwiGLU is quantized along tokens straight from its BF16 value:
     # one rounding for wgrad here, unlike a plain FP8 linear's saved input.
-    layout = aligned_layout(sizes, dy.shape[0])
-    dw = _wgrad(dy, quantize_along_tokens(hidden, layout), layout, w_dtype.dtype)
+    dw = _wgrad(dy_t, quantize_along_tokens(hidden, layout), layout, w_dtype.dtype)
     d_gate, d_up = swiglu_vjp(d_hidden)
     return d_gate.astype(dtype), d_up.astype(dtype), dw, None, d_row_weights
 

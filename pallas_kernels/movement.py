@@ -228,6 +228,19 @@ def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None,
     return _impl("quantize_along_tokens", *shapes)(x, layout, scale)
 
 
+def quantize_both_ways(x: jax.Array, layout: AlignedLayout
+                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """An FP8 linear's output gradient x (M, K), read once and quantized for both GEMMs that
+    take it: ``quantize_1x128(x)`` for dgrad and ``quantize_along_tokens(x, layout)`` for
+    wgrad, bit for bit (4 arrays: values and scales of each). Rows the layout leaves out
+    (past the groups' sum) are not written in the first pair on the GPU: no GEMM uses
+    them."""
+    if x.ndim != 2:
+        raise ValueError(f"quantize_both_ways wants x (M, K), got {x.shape}")
+    return _impl("quantize_both_ways", (x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn))(
+        x, layout)
+
+
 def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """An FP8 linear's weights w (G, K, N), as stored, quantized per 128x128 block once and
     written in both layouts: (G, K, N) FP8 for dgrad, (G, N, K) FP8 for fprop (the WGMMA

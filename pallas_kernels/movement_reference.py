@@ -62,6 +62,16 @@ def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None,
     return quantize_1x128((x if layout is None else gather_aligned(x, layout)).T)
 
 
+def quantize_both_ways(x: jax.Array, layout: AlignedLayout
+                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """An FP8 linear's output gradient x (M, K) for both of its GEMMs: quantize_1x128(x)
+    (dgrad contracts K) and quantize_along_tokens(x, layout) (wgrad contracts the tokens):
+    (M, K) FP8, (M, ceil(K/128)) scales, (K, R) FP8, (K, R/128) scales. Rows the layout
+    leaves out (past the groups' sum) may come back unwritten in the first pair: no GEMM
+    uses them."""
+    return quantize_1x128(x) + quantize_along_tokens(x, layout)
+
+
 def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """w (G, K, N) -> its 128x128 quantization in both layouts: (G, K, N) FP8 (dgrad's
     operand), (G, N, K) FP8 (fprop's: the same blocks transposed) and the (G, ceil(K/128),

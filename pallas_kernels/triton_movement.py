@@ -15,6 +15,8 @@ the output, the index math and quantization in registers between them.
   index by (one store per element, where XLA's scatter ran three kernels).
 - `quantize_weights`: an FP8 linear's 128x128 weight blocks, quantized once from the stored
   (G, K, N) weights and written in both layouts the GEMMs read.
+- `quantize_both_ways`: an FP8 linear's output gradient read once and quantized for dgrad
+  (1x128 along its columns) and for wgrad (along the tokens, into the aligned layout).
 - `quantize_rows`: quantize_1x128 in one pass (XLA's compile reads the rows twice: an amax
   pass, then a quantizing pass).
 - `swiglu_quantize`: SwiGLU of the 16-bit gate and up rows, quantized 1x128 in the same
@@ -78,6 +80,10 @@ WEIGHT_CONFIG = MoveConfig(block_rows=TILE, block_cols=TILE, num_warps=8)
 SWIGLU_CONFIG = MoveConfig(block_rows=8, block_cols=256)
 # quantize_1x128 in one pass: the SwiGLU tile, not yet swept on its own.
 QUANTIZE_CONFIG = SWIGLU_CONFIG
+# Both ways: one 128x128 tile a program, quantized as it stands and transposed. 4 warps:
+# on an H100 1.31x 8 warps and 1.38x 16 at (98304, 1024); stages made no difference
+# (docs/performance.md, session 36).
+BOTH_WAYS_CONFIG = MoveConfig(block_rows=TILE, block_cols=TILE, num_warps=4)
 
 
 def offsets_fit(shape: tuple[int, ...], dtype) -> bool:
@@ -377,6 +383,44 @@ def quantize_along_tokens(x, layout: AlignedLayout | None = None, scale=None, *,
     grid = (cdiv(width, TILE), cdiv(kdim, cfg.block_cols))
     return tuple(_call("transpose_quantize", kernel, operands, outs, grid, cfg, interpret,
                        out_init))
+
+
+def _quantize_both_ways_kernel(source_ref, rows_ref, x_ref, q_ref, s_ref, qt_ref, st_ref, *,
+                               kdim, saturating):
+    """Program (i, j): aligned tile i's 128 source rows, columns j*128.., read once and
+    quantized twice in registers: 1x128 along the columns (one tile a row: dgrad's operand,
+    stored at the rows' own places) and 1x128 along the tokens (transposed into the
+    aligned layout: wgrad's operand)."""
+    i, j = pl.program_id(0), pl.program_id(1)
+    source, rows = source_ref[i], rows_ref[i]
+    cols = pl.ds(j * TILE, TILE)
+    row_in = _iota(TILE) < rows
+    col_in = j * TILE + _iota(TILE) < kdim
+    mask = row_in[:, None] & col_in[None, :]
+    v = pltriton.load(x_ref.at[pl.ds(source, TILE), cols], mask=mask, other=0
+                      ).astype(jnp.float32)
+    q, scale = _quantize_rows(v, saturating)
+    pltriton.store(q_ref.at[pl.ds(source, TILE), cols], q, mask=mask)
+    pltriton.store(s_ref.at[pl.ds(source, TILE), j], scale, mask=row_in)
+    qt, scale_t = _quantize_rows(v.T, saturating)
+    pltriton.store(qt_ref.at[cols, pl.ds(i * TILE, TILE)], qt, mask=col_in[:, None])
+    pltriton.store(st_ref.at[cols, i], scale_t, mask=col_in)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def quantize_both_ways(x, layout: AlignedLayout, *, cfg=None, interpret=False, out_init=None):
+    """See movement_reference.quantize_both_ways: one read of x (M, K) for an FP8 linear's
+    output gradient, which dgrad wants quantized along K and wgrad along the tokens."""
+    m, kdim = x.shape
+    width = layout.length
+    outs = (_out_shape((m, kdim), FP8, x), _out_shape((m, cdiv(kdim, TILE)), jnp.float32, x),
+            _out_shape((kdim, width), FP8, x),
+            _out_shape((kdim, cdiv(width, TILE)), jnp.float32, x))
+    kernel = functools.partial(_quantize_both_ways_kernel, kdim=kdim, saturating=not interpret)
+    grid = (width // TILE, cdiv(kdim, TILE))
+    return tuple(_call("quantize_both_ways", kernel,
+                       [layout.tile_source, layout.tile_rows, x], outs, grid,
+                       cfg or BOTH_WAYS_CONFIG, interpret, out_init))
 
 
 def _quantize_weights_kernel(w_ref, q_ref, qt_ref, s_ref, *, rows, cols, saturating):

@@ -202,6 +202,38 @@ def test_quantize_along_tokens_is_quantize_1x128_of_the_transpose(request, m, kd
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
 
 
+@pytest.mark.parametrize("m,kdim,sizes", [(300, 200, [0, 1, 127, 129, 2]),  # 41 rows left out
+                                          (256, 384, [256]), (77, 129, [77]),
+                                          (300, 130, [300, 0])])
+def test_quantize_both_ways_is_quantize_1x128_and_along_tokens(request, m, kdim, sizes):
+    """One read, both quantizations bitwise (interpreted; every output poisoned): along K
+    for each row the layout holds, along the tokens into the aligned layout, with a 1e4x
+    outlier that only its own row tile and token tile may feel."""
+    x = _rng(request).standard_normal((m, kdim)) * 3
+    x[m // 3, kdim // 2] = 3e4
+    x = jnp.asarray(x, jnp.bfloat16)
+    layout = aligned_layout(jnp.asarray(sizes, jnp.int32), m)
+    width, covered = layout.length, int(sum(sizes))
+    poison = (jnp.full((m, kdim), jnp.nan, jnp.float8_e4m3fn),
+              jnp.full((m, -(-kdim // 128)), jnp.nan),
+              jnp.full((kdim, width), jnp.nan, jnp.float8_e4m3fn),
+              jnp.full((kdim, width // 128), jnp.nan))
+    got = tm.quantize_both_ways(x, layout, interpret=True, out_init=poison)
+    want = (*pk.quantize_1x128(x), *pk.quantize_1x128(gather_aligned(x, layout).T))
+    for a, b in zip(got[:2], want[:2]):  # rows past the groups' sum: left unwritten
+        np.testing.assert_array_equal(_bits(a)[:covered], _bits(b)[:covered])
+    for a, b in zip(got[2:], want[2:]):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    for a, b in zip(pk.quantize_both_ways(x, layout), want):  # the public op (reference here)
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_quantize_both_ways_names_a_wrong_rank():
+    with pytest.raises(ValueError, match=r"x \(M, K\)"):
+        pk.quantize_both_ways(jnp.zeros((128,), jnp.bfloat16),
+                              aligned_layout(jnp.asarray([128], jnp.int32), 128))
+
+
 @pytest.mark.parametrize("m,kdim,sizes", [(300, 200, None), (77, 384, None),
                                           (300, 200, [0, 1, 127, 129, 2])])
 def test_quantize_along_tokens_from_fp8_requantizes_the_dequantized_rows(request, m, kdim,
@@ -437,7 +469,8 @@ def test_inverse_permutation_kernel_inverts(request, n):
 @pytest.mark.parametrize("op", ["permute_fp8", "permute_fp8_words", "permute", "combine",
                                 "combine_backward", "quantize_along_tokens",
                                 "quantize_along_tokens_from_fp8", "inverse_permutation",
-                                "quantize_weights", "quantize_rows", "swiglu_quantize",
+                                "quantize_weights", "quantize_rows", "quantize_both_ways",
+                                "swiglu_quantize",
                                 "swiglu_quantize_with_inputs"])
 def test_triton_kernels_lower_for_cuda(op):
     """The Triton lowering (not the interpreter) accepts every kernel: caught here, on CPU,
@@ -461,6 +494,8 @@ def test_triton_kernels_lower_for_cuda(op):
         "quantize_weights": (tm.quantize_weights,
                              (jax.ShapeDtypeStruct((k, t, h), jnp.float32),)),
         "quantize_rows": (tm.quantize_rows, (x,)),
+        "quantize_both_ways": (
+            lambda x, p: tm.quantize_both_ways(x, aligned_layout(p[:4], t)), (x, perm)),
         "swiglu_quantize": (tm.swiglu_quantize, (x, x)),
         "swiglu_quantize_with_inputs": (
             lambda g, u: tm.swiglu_quantize(g, u, with_inputs=True), (x, x)),
@@ -566,9 +601,10 @@ def _fp8_bits_match(got, want) -> None:
 def test_gpu_quantizing_kernels_leave_the_clamp_to_the_fp8_cast():
     """Compiled, the kernels drop quantize_1x128's clamp (the GPU's E4M3 cast saturates).
     Tiles along both axes with a 1e4x outlier, tiny values, values at the smallest normal
-    (their scale underflows), all-equal values, inf and NaN still give its exact bits, and
-    re-quantizing x's FP8 copy along tokens gives the reference's; so do the same tiles
-    quantized as weight blocks."""
+    (their scale underflows), all-equal values, inf and NaN still give its exact bits (also
+    both ways at once, in an aligned layout that leaves rows out), and re-quantizing x's
+    FP8 copy along tokens gives the reference's; so do the same tiles quantized as weight
+    blocks."""
     rng = np.random.default_rng(18)
     t, h = 512, 1024
     x = rng.standard_normal((t, h)).astype(np.float32)
@@ -587,6 +623,16 @@ def test_gpu_quantizing_kernels_leave_the_clamp_to_the_fp8_cast():
     want_rows_q, want_rows_s = pk.quantize_1x128(x)
     _fp8_bits_match(rows_q, want_rows_q)
     np.testing.assert_array_equal(np.asarray(rows_s), np.asarray(want_rows_s))
+    layout = aligned_layout(jnp.asarray([100, 0, 300], jnp.int32), t)  # 112 rows left out
+    with pk.use_backend("triton"):
+        both = jax.jit(pk.quantize_both_ways)(x, layout)
+    want_t = jax.jit(ref.quantize_along_tokens)(x, layout)
+    for got, want in zip(both, (want_rows_q[:400], want_rows_s[:400], *want_t)):
+        got = got[:400] if got.shape[0] == t else got
+        if got.dtype == jnp.float8_e4m3fn:
+            _fp8_bits_match(got, want)
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     want_q, want_s = pk.quantize_1x128(x[perm])
     _fp8_bits_match(q, want_q)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
