@@ -30,6 +30,7 @@ def test_split_and_exposed_communication(tmp_path):
         _kernel(1, "ncclDevKernel_SendRecv", 5, 15, "all-to-all.2"),  # 5..20: 5 under gemm
         _kernel(1, "loop_fusion", 12, 4, "gather.3"),  # 12..16: under the exchange too
         _kernel(1, "input_reduce_fusion", 30, 2, "reduce.4"),
+        _kernel(1, "quantize_rows_", 40, 3),  # the FP8 quantizing passes move data
         _kernel(2, "ncclDevKernel_SendRecv", 0, 100, "all-to-all.2"),  # other device
         _kernel(3, "PjitFunction", 0, 1000),  # host events are not kernels
     ])
@@ -37,11 +38,11 @@ def test_split_and_exposed_communication(tmp_path):
     assert {e.device for e in events} == {"/device:GPU:0", "/device:GPU:1"}
     t = profiling.device_time(events, "/device:GPU:0")
     assert t.busy_ms == pytest.approx({"communication": 0.015, "gemm": 0.010, "attention": 0.0,
-                                       "movement": 0.004, "other": 0.002})
-    assert t.total_busy_ms == pytest.approx(0.022)
+                                       "movement": 0.007, "other": 0.002})
+    assert t.total_busy_ms == pytest.approx(0.025)
     # exchange 5..20 minus compute under it (5..10 gemm, 12..16 gather) = 20 - 5 - 9 = 6 us
     assert t.exposed_communication_ms == pytest.approx(0.006)
-    assert t.compute_ms == pytest.approx(0.016)  # 0..10, 12..16, 30..32
+    assert t.compute_ms == pytest.approx(0.019)  # 0..10, 12..16, 30..32, 40..43
     assert profiling.device_time(events, "/device:GPU:1").exposed_communication_ms == \
         pytest.approx(0.1)
 

@@ -30,7 +30,7 @@ _PATTERNS = (  # first match wins
     ("gemm", re.compile(r"gemm|matmul|cublas|cutlass|xmma|nvjet|wgmma|\bdot|_mm\b", re.I)),
     ("movement", re.compile(
         r"gather|scatter|sort|copy|transpose|dynamic-update-slice|dynamic_update_slice|"
-        r"concatenate|slice|pad|permute|dispatch|combine|memset", re.I)),
+        r"concatenate|slice|pad|permute|dispatch|combine|memset|quantize", re.I)),
 )
 
 
