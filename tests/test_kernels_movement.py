@@ -19,6 +19,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import movement, movement_reference as ref
 from pallas_kernels import mosaic_movement as mm, triton_movement as tm
+from pallas_kernels.fp8_linear import fp8_swiglu_grouped_linear
 from pallas_kernels.group_schedule import aligned_layout, gather_aligned
 
 SMALL = tm.MoveConfig(block_rows=16, block_cols=256)  # tiles smaller than every T, H below
@@ -504,6 +505,26 @@ def test_triton_kernels_lower_for_cuda(op):
     # the scatter-form kernels run the inverse permutation's kernel first
     inverted = op.startswith(("permute", "combine"))
     assert text.count("xla.gpu.triton") == 1 + inverted
+
+
+def test_fp8_swiglu_linear_quantizes_each_operand_in_one_pass():
+    """Lowered for CUDA on the Triton backend, the FP8 SwiGLU down projection's forward and
+    backward hold no `quantize_rows` pass: gate's and up's FP8 copies come from the SwiGLU
+    pass itself, and dy's two quantizations from one `quantize_both_ways` (session 36:
+    XLA's separate passes cost the `small` FP8 step 8 ms)."""
+    m, i, n = 256, 256, 128
+    sizes = jnp.asarray([100, 156], jnp.int32)
+    rows = jax.ShapeDtypeStruct((m, i), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2, i, n), jnp.float32)
+    dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    grads = jax.grad(lambda g, u, w, dy: jnp.sum(
+        fp8_swiglu_grouped_linear(g, u, w, sizes).astype(jnp.float32) * dy), argnums=(0, 1, 2))
+    with pk.use_backend("triton"):
+        text = jax.jit(grads).trace(rows, rows, w, dy).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = {re.search(r'name = "([a-z_]+)"', line).group(1)
+               for line in text.splitlines() if "xla.gpu.triton" in line}
+    assert kernels == {"weights_transpose_quantize", "swiglu_quantize", "grouped_gemm",
+                       "quantize_both_ways", "transpose_quantize", "grouped_wgrad_gemm"}
 
 
 @pytest.mark.parametrize("field,value,allowed", [("block_cols", 96, "64 or 128"),
