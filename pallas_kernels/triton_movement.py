@@ -410,7 +410,12 @@ def _quantize_both_ways_kernel(source_ref, rows_ref, x_ref, q_ref, s_ref, qt_ref
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def quantize_both_ways(x, layout: AlignedLayout, *, cfg=None, interpret=False, out_init=None):
     """See movement_reference.quantize_both_ways: one read of x (M, K) for an FP8 linear's
-    output gradient, which dgrad wants quantized along K and wgrad along the tokens."""
+    output gradient, which dgrad wants quantized along K and wgrad along the tokens. A
+    program holds one 128 x 128 tile, so `cfg` sets only its warps and stages."""
+    cfg = cfg or BOTH_WAYS_CONFIG
+    if (cfg.block_rows, cfg.block_cols) != (TILE, TILE):
+        raise ValueError(f"quantize_both_ways runs {TILE} x {TILE} tiles, got block_rows="
+                         f"{cfg.block_rows}, block_cols={cfg.block_cols}")
     m, kdim = x.shape
     width = layout.length
     outs = (_out_shape((m, kdim), FP8, x), _out_shape((m, cdiv(kdim, TILE)), jnp.float32, x),
@@ -420,7 +425,7 @@ def quantize_both_ways(x, layout: AlignedLayout, *, cfg=None, interpret=False, o
     grid = (width // TILE, cdiv(kdim, TILE))
     return tuple(_call("quantize_both_ways", kernel,
                        [layout.tile_source, layout.tile_rows, x], outs, grid,
-                       cfg or BOTH_WAYS_CONFIG, interpret, out_init))
+                       cfg, interpret, out_init))
 
 
 def _quantize_weights_kernel(w_ref, q_ref, qt_ref, s_ref, *, rows, cols, saturating):

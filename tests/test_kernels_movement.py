@@ -229,10 +229,13 @@ def test_quantize_both_ways_is_quantize_1x128_and_along_tokens(request, m, kdim,
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
-def test_quantize_both_ways_names_a_wrong_rank():
+def test_quantize_both_ways_names_a_wrong_rank_and_tile():
+    layout = aligned_layout(jnp.asarray([128], jnp.int32), 128)
     with pytest.raises(ValueError, match=r"x \(M, K\)"):
-        pk.quantize_both_ways(jnp.zeros((128,), jnp.bfloat16),
-                              aligned_layout(jnp.asarray([128], jnp.int32), 128))
+        pk.quantize_both_ways(jnp.zeros((128,), jnp.bfloat16), layout)
+    with pytest.raises(ValueError, match="128 x 128 tiles, got block_rows=16, block_cols=256"):
+        tm.quantize_both_ways(jnp.zeros((128, 256), jnp.bfloat16), layout, cfg=SMALL,
+                              interpret=True)
 
 
 @pytest.mark.parametrize("m,kdim,sizes", [(300, 200, None), (77, 384, None),
