@@ -237,8 +237,9 @@ def quantize_both_ways(x: jax.Array, layout: AlignedLayout
     them."""
     if x.ndim != 2:
         raise ValueError(f"quantize_both_ways wants x (M, K), got {x.shape}")
-    return _impl("quantize_both_ways", (x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn))(
-        x, layout)
+    shapes = ((x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn),
+              ((x.shape[1], layout.length), jnp.float8_e4m3fn))
+    return _impl("quantize_both_ways", *shapes)(x, layout)
 
 
 def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
