@@ -105,9 +105,12 @@ def bench_one(expert: int, transport: str, token_format: str,
             lambda b: jax.lax.all_to_all(b, EXPERT_AXIS, 0, 0, tiled=True),
             in_specs=P(("data", EXPERT_AXIS)), out_specs=P(("data", EXPERT_AXIS))))
         t_layer = profiling.median_seconds(lambda: fwd_bwd(params, x), args.repeats)
-        t_exchange = (profiling.median_seconds(lambda: exchange(params, x), args.repeats)
-                      if expert > 1 else float("nan"))
-        t_raw = profiling.median_seconds(lambda: raw(buffer), 4 * args.repeats) if expert > 1 else float("nan")
+        t_exchange = t_raw = float("nan")
+        if expert > 1:  # in turn, so their ratio reads one window of the links
+            t = profiling.interleaved_median_seconds(
+                {"exchange": lambda: exchange(params, x), "raw": lambda: raw(buffer)},
+                2 * args.repeats)
+            t_exchange, t_raw = t["exchange"], t["raw"]
         split, top = None, []
         if args.profile and jax.default_backend() != "cpu":
             trace_dir = f"{args.profile}/expert{expert}_{transport}_{token_format}"

@@ -71,3 +71,11 @@ def test_device_seconds_is_the_traced_busy_time_per_call(monkeypatch):
     monkeypatch.setattr(profiling, "profile", fake_profile)
     assert profiling.device_seconds(lambda: "ran", 7) == pytest.approx(0.0025)
     assert seen["repeats"] == 7 and seen["out"] == "ran" and seen["log_dir"]
+
+
+def test_interleaved_timing_takes_turns_and_returns_each_median():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("exchange", "raw")}
+    medians = profiling.interleaved_median_seconds(fns, repeats=3, warmup=1)
+    assert calls == ["exchange", "raw"] + ["exchange", "raw"] * 3
+    assert set(medians) == {"exchange", "raw"} and all(t >= 0 for t in medians.values())

@@ -143,6 +143,25 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> f
     return statistics.median(times)
 
 
+def interleaved_median_seconds(fns: dict[str, Callable[[], object]], repeats: int,
+                               warmup: int = 2) -> dict[str, float]:
+    """``median_seconds`` of each of ``fns``, timed in turn within each of ``repeats`` rounds
+    rather than one after the other. Why: a ratio of two timings (an exchange over the raw
+    all_to_all of the same bytes) should not read the drift of clocks and links between two
+    separate windows: on 4 H200 the raw all_to_all read 122 and 164 GB/s in two calls
+    (docs/performance.md, session 36)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def profile(fn: Callable[[], object], log_dir: str | pathlib.Path, repeats: int = 3,
             overlap: bool = False) -> DeviceTime:
     """Traces ``repeats`` calls of ``fn`` (already compiled) and splits the device time,
