@@ -210,7 +210,7 @@ def weight_rows(shape: tuple[int, int, int], repeats: int, interpret: bool) -> l
                          kernel, ref.quantize_weights, args, "bitwise", repeats)
 
 
-def swiglu_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[Row]:
+def expert_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[Row]:
     """The FP8 expert rows' (M, I) passes. quantize_rows of BF16 rows (an FP8 linear's
     gradient for its dgrad): floor = 2 bytes read, 1 written an element, plus the scales;
     quantize_both_ways (the gradient for dgrad and wgrad, one group): 2 read, 2 written.
@@ -471,7 +471,7 @@ def main() -> None:
         rows += weight_rows(tuple(int(d) for d in shape.split("x")), args.repeats,
                             args.interpret)
     for shape in filter(None, args.swiglu.split(",")):
-        rows += swiglu_rows(tuple(int(d) for d in shape.split("x")), args.repeats,
+        rows += expert_rows(tuple(int(d) for d in shape.split("x")), args.repeats,
                             args.interpret)
     moe_tokens = [int(t) for t in args.moe_tokens.split(",") if t][:1 if args.quick else None]
     layers = [d for t in moe_tokens for d in moe_layer(t, args.repeats, args.profile)]

@@ -133,14 +133,7 @@ def top_kernels(events: list[KernelEvent], count: int = 15) -> list[tuple[str, s
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     """Median wall time of ``fn()`` until its outputs are ready, after ``warmup`` calls
     (the first compiles)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved_median_seconds({"fn": fn}, repeats, warmup)["fn"]
 
 
 def interleaved_median_seconds(fns: dict[str, Callable[[], object]], repeats: int,
