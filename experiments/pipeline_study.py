@@ -96,7 +96,7 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
           f"batch {args.batch} x seq {args.seq}, {args.dtype}; F&B ticks pair {pairs})")
     print(f"{'schedule':<10} {'step ms':>9} {'ticks':>5} {'sum ticks ms':>12} "
           f"{'bubble/rank (measured)':<30} {'layers held/rank':<17} {'act buf/rank':<13} "
-          f"{'peak GiB/rank':<14} loss")
+          f"{'peak GiB/rank':<14} {'exp. a2a':>8} loss")
     bubbles = {}
     names = args.schedules.split(",")
     if unknown := sorted(set(names) - set(SCHEDULES)):
@@ -116,14 +116,17 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
         buffers = ",".join(map(str, m.act_entries))
         peak = ("-" if m.peak_bytes is None else
                 ",".join(f"{b / 2**30:.2f}" for b in m.peak_bytes))
+        exposed = ("-" if m.exposed_all_to_all is None else
+                   f"{max(m.exposed_all_to_all):.1%}")
         print(f"{name:<10} {m.step_s * 1e3:>9.2f} {len(m.tick_s):>5} "
               f"{sum(m.tick_s) * 1e3:>12.2f} {per_rank:<30} {held:<17} {buffers:<13} "
-              f"{peak:<14} {m.loss:.5f}")
+              f"{peak:<14} {exposed:>8} {m.loss:.5f}")
     print(f"layers held: rows of the stacked layers a rank's stages hold during the step "
           f"(of {problem.config.num_hidden_layers}); act buf: stage inputs its buffer "
           "holds at once (the executor's allocation); peak: the device allocator's peak since "
           "the process began (one schedule per process for a per-schedule figure; - where "
-          "the backend keeps none)\n")
+          "the backend keeps none); exp. a2a: with --profile, the worst device's all_to_all "
+          "time with no compute beside it, as a share of the traced step\n")
     return bubbles
 
 

@@ -9,6 +9,8 @@ from jax.sharding import AxisType
 
 from moejax.config import get_model_preset
 from moejax.model import DeepseekV3
+from moejax.model import moe as moe_module
+from moejax.model.expert_ffn import grouped_swiglu
 from moejax.model.moe import MoE
 from moejax.model.routing import route
 from moejax.parallel import expert as expert_module
@@ -36,7 +38,8 @@ def _call(moe, x, bias):
     return nnx.jit(lambda m, a, b: m(a, b))(moe, x, bias)
 
 
-@pytest.mark.parametrize("axes", [dict(expert=8), dict(data=2, expert=4), dict(data=4, expert=2)])
+@pytest.mark.parametrize("axes", [dict(expert=8), dict(data=2, expert=4), dict(data=4, expert=2),
+                                  dict(data=8)])
 def test_padded_dropless_matches_single_device(moe, axes):
     x, bias = _inputs(sum(axes.values()))
     ref = _call(moe, x, bias)
@@ -209,7 +212,24 @@ def test_cross_node_copies_counted_and_capped_by_group_limit(moe):
     assert max(len(set(row)) for row in expert_node) <= CONFIG.topk_group
 
 
-def test_model_forward_and_grads_under_mesh_match():
+def test_data_parallel_experts_see_only_their_devices_tokens(moe, monkeypatch):
+    """With data > 1 and no expert axis each device runs its own tokens' copies through the
+    experts: XLA, left to itself, gathered the batch and ran them all on every device."""
+    rows_seen = []
+
+    def recording_experts(rows, *args, **kw):
+        rows_seen.append(rows.shape[0])
+        return grouped_swiglu(rows, *args, **kw)
+
+    monkeypatch.setattr(moe_module, "grouped_swiglu", recording_experts)
+    x, bias = _inputs(5)
+    with jax.set_mesh(_mesh(data=8)):
+        _call(moe, x, bias)
+    assert rows_seen == [x.shape[0] // 8 * x.shape[1] * CONFIG.num_experts_per_tok]
+
+
+@pytest.mark.parametrize("axes", [dict(data=2, expert=4), dict(data=8)])
+def test_model_forward_and_grads_under_mesh_match(axes):
     config = CONFIG.replace(num_hidden_layers=2)
     model = DeepseekV3(config, rngs=nnx.Rngs(1), dtype=jnp.float32)
     ids = jax.random.randint(jax.random.key(2), (8, 10), 0, config.vocab_size)
@@ -220,7 +240,7 @@ def test_model_forward_and_grads_under_mesh_match():
 
     grad_fn = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
     (ref_loss, ref_counts), ref_grads = grad_fn(model)
-    with jax.set_mesh(_mesh(data=2, expert=4)):
+    with jax.set_mesh(_mesh(**axes)):
         (got_loss, got_counts), got_grads = grad_fn(model)
     np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-5)
     np.testing.assert_array_equal(got_counts, ref_counts)

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from moejax.config import ConfigError, get_model_preset
 from moejax.model import DeepseekV3
 from moejax.parallel.mesh import AXES, MeshSpec, build_mesh, expert_axis_nodes
-from moejax.parallel.sharding import param_logical_axes, state_shardings
+from moejax.parallel.sharding import batch_sharding, param_logical_axes, state_shardings
 
 
 def test_parse_and_build():
@@ -69,3 +69,36 @@ def test_sharded_params_give_the_same_logits():
     with jax.set_mesh(mesh):
         got = forward(nnx.merge(graphdef, state), ids)
     assert jnp.allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_cudnn_attention_gets_q_k_v_in_one_sharding(monkeypatch):
+    """cuDNN's partitioner refuses q, k and v in different shardings ("Query, key and value
+    should have same sharding", 4 x H200 with data=4 and ZeRO-3, session 37); the model
+    pins all three to the batch sharding before the core. XLA:CPU stands in for cuDNN:
+    the core here records the shardings the partitioner chose, then runs XLA's."""
+    real_core = jax.nn.dot_product_attention
+    seen = []
+
+    def core(q, k, v, *, implementation, **kw):
+        assert implementation == "cudnn"
+        for name, x in zip("qkv", (q, k, v)):
+            jax.debug.inspect_array_sharding(
+                x, callback=lambda s, name=name: seen.append((name, s.spec)))
+        return real_core(q, k, v, implementation="xla", **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", core)
+    config = get_model_preset("tiny").replace(num_hidden_layers=2, first_k_dense_replace=2)
+    model = DeepseekV3(config, rngs=nnx.Rngs(0), dtype=jnp.float32, attention="cudnn")
+    ids = jax.random.randint(jax.random.key(1), (8, 16), 0, config.vocab_size)
+    mesh = build_mesh(MeshSpec(data=8))
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, state_shardings(state, mesh, zero=3))
+    ids = jax.device_put(ids, batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+        jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, ids).compile()
+    assert seen, "the core was not traced"
+    by_call = [seen[i:i + 3] for i in range(0, len(seen), 3)]
+    batch_over_data = lambda spec: len(spec) > 0 and spec[0] in ("data", ("data",))  # noqa: E731
+    for call in by_call:
+        assert [n for n, _ in call] == ["q", "k", "v"]
+        assert all(batch_over_data(spec) and not any(spec[1:]) for _, spec in call), call

@@ -47,6 +47,22 @@ def test_split_and_exposed_communication(tmp_path):
         pytest.approx(0.1)
 
 
+def test_exposed_all_to_all_leaves_out_the_pipeline_sends():
+    """A pipeline's stage-to-stage sends wait out the bubble inside their kernels; the
+    exposed all_to_all share counts only the token exchange, over the whole traced step."""
+    K = profiling.KernelEvent
+    events = [
+        K("/device:GPU:0", "ncclDevKernel_SendRecv", "ppermute.1", 0, 50),  # a long wait
+        K("/device:GPU:0", "RaggedAllToAllKernelImpl", "ragged-all-to-all.2", 50, 10),
+        K("/device:GPU:0", "MultiGpuBarrierKernelImpl", "ragged-all-to-all.2", 60, 2),
+        K("/device:GPU:0", "bf16_grouped_gemm", "custom-call.3", 55, 20),  # hides 55..62
+        K("/device:GPU:1", "ncclDevKernel_AllToAll", "all-to-all.4", 90, 10),
+    ]
+    shares = profiling.exposed_share(events)
+    assert shares == pytest.approx({"/device:GPU:0": 5 / 100, "/device:GPU:1": 10 / 100})
+    assert profiling.exposed_share([]) == {}
+
+
 def test_cpu_trace_has_no_kernel_events(tmp_path):
     """A real trace from XLA:CPU parses, holds no accelerator kernels, and says so."""
     f = jax.jit(lambda a: (a @ a).sum())

@@ -34,6 +34,11 @@ _PATTERNS = (  # first match wins
 )
 
 
+# XLA's all_to_all and ragged all_to_all, and the barrier kernels the ragged one launches
+# (their HLO op names it): the token exchange of expert parallelism.
+ALL_TO_ALL = re.compile(r"all-to-all|all_to_all|alltoall", re.I)
+
+
 class KernelEvent(NamedTuple):
     device: str  # the trace's process name, e.g. "/device:GPU:0"
     name: str  # kernel name
@@ -118,6 +123,28 @@ def device_time(events: list[KernelEvent], device: str | None = None) -> DeviceT
     return DeviceTime({c: _union_us(spans[c]) / 1e3 for c in CATEGORIES},
                       _union_us([s for v in spans.values() for s in v]) / 1e3, exposed / 1e3,
                       _union_us(compute) / 1e3)
+
+
+def exposed_share(events: list[KernelEvent], pattern: re.Pattern = ALL_TO_ALL
+                  ) -> dict[str, float]:
+    """Per device: the time kernels matching ``pattern`` (by name or HLO op) run with no
+    compute kernel beside them, as a share of the trace's span over all devices (one
+    traced call: the step). Why not the communication category's exposed time: in a
+    pipeline it also holds the stage-to-stage sends, whose kernels wait out the bubble.
+    Empty where the trace holds no accelerator kernels (XLA:CPU)."""
+    if not events:
+        return {}
+    start = min(e.start_us for e in events)
+    span = max(e.start_us + e.dur_us for e in events) - start
+    shares = {}
+    for device in sorted({e.device for e in events}):
+        mine = [e for e in events if e.device == device]
+        matched = [(e.start_us, e.start_us + e.dur_us) for e in mine
+                   if pattern.search(e.name) or pattern.search(e.hlo_op)]
+        compute = [(e.start_us, e.start_us + e.dur_us) for e in mine
+                   if e.category != "communication"]
+        shares[device] = (_union_us(matched) - _covered_us(matched, compute)) / span
+    return shares
 
 
 def top_kernels(events: list[KernelEvent], count: int = 15) -> list[tuple[str, str, float]]:

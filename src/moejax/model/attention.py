@@ -18,6 +18,7 @@ from moejax.config import ModelConfig
 from moejax.memory.remat import MLA_UP_PROJECTION, recomputable
 from moejax.model.layers import Linear, RMSNorm, rms_norm
 from moejax.model.rope import apply_rope, softmax_scale
+from moejax.parallel.sharding import constrain_batch
 from moejax.precision import Precision, linear
 
 # The softmax core: XLA's composition (logits and probabilities materialised; any backend)
@@ -64,8 +65,9 @@ class MLAttention(nnx.Module):
         up = self.kv_b_proj
         project = recomputable(functools.partial(_queries_keys_values, c, up.precision, up.dtype,
                                                  self.attention), MLA_UP_PROJECTION)
-        q, k, v = project(q_source, self.kv_a_proj_with_mqa(x), q_weights,
-                          (self.kv_a_layernorm.weight[...], up.kernel[...]), cos, sin)
+        q, k, v = map(constrain_batch, project(
+            q_source, self.kv_a_proj_with_mqa(x), q_weights,
+            (self.kv_a_layernorm.weight[...], up.kernel[...]), cos, sin))
         out = jax.nn.dot_product_attention(q, k, v, scale=softmax_scale(c),
                                            is_causal=True, implementation=self.attention)
         out = out[:, :seq, :, :c.v_head_dim].reshape(batch, seq, -1)

@@ -13,6 +13,7 @@ from moejax.model.attention import MLAttention
 from moejax.model.layers import DenseMLP, RMSNorm
 from moejax.model.moe import MoE
 from moejax.model.routing import RoutingStats
+from moejax.parallel.sharding import constrain_batch
 from moejax.precision import Precision
 
 
@@ -40,6 +41,7 @@ class DecoderBlock(nnx.Module):
 
     def __call__(self, h: jax.Array, cos: jax.Array, sin: jax.Array,
                  bias: jax.Array | None = None) -> BlockOutput:
+        h = constrain_batch(h)
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
         normed = self.post_attention_layernorm(h)
         if isinstance(self.mlp, MoE):

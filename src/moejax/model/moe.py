@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from moejax.config import ModelConfig
 from moejax.model.dispatch import dispatch, sorted_weights, sum_copies
@@ -21,6 +22,7 @@ from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.layers import DenseMLP
 from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
 from moejax.parallel import expert as expert_parallel  # module: the two import each other
+from moejax.parallel.sharding import check_batch_divides, traced_batch_axes
 from moejax.precision import Precision
 
 
@@ -49,6 +51,32 @@ def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
     return MoEOutput(y, RoutingStats(sent.group_sizes, balance, no_copies, no_copies))
 
 
+def routed_experts_data_parallel(x: jax.Array, router: jax.Array, bias: jax.Array,
+                                 weights: ExpertWeights, config: ModelConfig,
+                                 run_experts: expert_parallel.RunExperts,
+                                 precision: Precision, batch_axes: tuple[str, ...]) -> MoEOutput:
+    """Data parallelism without an expert axis: each device routes its own tokens through
+    a whole copy of the experts (gathered where ZeRO-3 splits them), and the routing totals
+    are summed over ``batch_axes``. Why a ``shard_map``: XLA cannot split the expert sort
+    or the grouped GEMM kernels over a sharded batch, so left to itself it gathered the
+    batch and ran every device's experts on all of it (4 x H200, ``data=4``: 4x the GEMM
+    work; session 37)."""
+    check_batch_divides(x.shape[0], batch_axes)
+
+    def body(x, router, bias, weights):
+        weights = expert_parallel.varying_over(weights, batch_axes)
+        out = routed_experts_local(x, router, bias, weights, config, run_experts, precision)
+        s = out.stats
+        return out.y, RoutingStats(jax.lax.psum(s.counts, batch_axes),
+                                   jax.lax.pmean(s.balance_loss, batch_axes),
+                                   s.dropped, s.cross_node)
+
+    tokens = P(batch_axes)
+    return MoEOutput(*jax.shard_map(
+        body, in_specs=(tokens, P(), P(), ExpertWeights(P(), P(), P())),
+        out_specs=(tokens, RoutingStats(P(), P(), P(), P())))(x, router, bias, weights))
+
+
 class MoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype,
                  param_dtype: jnp.dtype, precision: Precision = Precision.BF16) -> None:
@@ -73,6 +101,10 @@ class MoE(nnx.Module):
         if expert_parallel.expert_axis_size() > 1:
             y, stats = expert_parallel.expert_parallel_moe(x, self.router[...], bias, weights,
                                                            self.config, run_experts)
+        elif batch_axes := traced_batch_axes():
+            y, stats = routed_experts_data_parallel(x, self.router[...], bias, weights,
+                                                    self.config, run_experts, self.precision,
+                                                    batch_axes)
         else:
             y, stats = routed_experts_local(x, self.router[...], bias, weights, self.config,
                                             run_experts, self.precision)

@@ -24,6 +24,7 @@ from moejax.model.layer_scan import layer_scan
 from moejax.model.layers import Linear, RMSNorm
 from moejax.model.rope import rope_tables
 from moejax.model.routing import RoutingStats
+from moejax.parallel.sharding import constrain_batch
 from moejax.precision import Precision, dense_matmul
 
 
@@ -152,7 +153,8 @@ class DeepseekV3(nnx.Module):
         self.router_bias = RouterBias(jnp.zeros((router_rows, c.n_routed_experts), jnp.float32))
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        rows = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        return constrain_batch(rows.astype(self.dtype))
 
     def head_kernel(self) -> jax.Array:
         """The shared output head's (H, V) weights (the embedding's transpose when tied)."""

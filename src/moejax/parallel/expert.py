@@ -39,9 +39,9 @@ from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import dispatch, sorted_weights, sum_copies
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
+from moejax.parallel.sharding import BATCH, check_batch_divides
 
 EXPERT_AXIS = "expert"
-BATCH_AXES = ("data", EXPERT_AXIS)  # mesh axes the token batch is sharded over
 TRANSPORTS = ("auto", "padded", "ragged")
 TOKEN_FORMATS = ("compute", "fp8")
 # ragged_all_to_all pieces: on 2 x H100 (jax 0.11.2, one process) 100 MB a device moved at
@@ -544,7 +544,7 @@ def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
     for axis, size in mesh_shape.items():
         if axis == EXPERT_AXIS:
             index = position
-        elif axis in BATCH_AXES and size > 1:
+        elif axis in BATCH and size > 1:
             index = jax.lax.axis_index(axis)
         else:
             index = 0
@@ -608,11 +608,8 @@ def expert_layout(config: ModelConfig, batch: int) -> tuple[int, tuple[str, ...]
     if config.n_routed_experts % ep:
         raise ConfigError(f"n_routed_experts={config.n_routed_experts}: must be divisible by "
                           f"the expert mesh axis size {ep}")
-    batch_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-    shards = math.prod(dict(mesh.shape)[a] for a in batch_axes)
-    if batch % shards:
-        raise ConfigError(f"batch size {batch}: must be divisible by the {shards} devices "
-                          f"of mesh axes {batch_axes}")
+    batch_axes = tuple(a for a in BATCH if a in mesh.axis_names)
+    check_batch_divides(batch, batch_axes)
     return ep, batch_axes
 
 

@@ -12,11 +12,15 @@ A dim that the mesh axis does not divide stays whole rather than failing.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from moejax.config import ConfigError
 
 # Parameter path (dotted, without the stacked-layer axis) -> logical axes of its dims.
 PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
@@ -90,3 +94,38 @@ def state_shardings(state: nnx.State, mesh: Mesh, zero: ZeroStage = 3) -> nnx.St
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Token batches: the batch dim over data x expert."""
     return NamedSharding(mesh, P(BATCH))
+
+
+def traced_batch_axes() -> tuple[str, ...]:
+    """The batch axes (data, expert) of the mesh being traced under that split the batch
+    here: present, larger than one, and not already manual (inside a ``shard_map`` over
+    them, each device holds its own slice and there is nothing left to split)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    sizes = dict(mesh.shape)
+    return tuple(a for a in BATCH
+                 if sizes.get(a, 1) > 1 and a not in mesh.manual_axes)
+
+
+def check_batch_divides(batch: int, axes: tuple[str, ...]) -> None:
+    """A clear error where ``batch`` rows cannot split evenly over the mesh ``axes``."""
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    shards = math.prod(sizes[a] for a in axes)
+    if batch % shards:
+        raise ConfigError(f"batch size {batch}: must be divisible by the {shards} devices "
+                          f"of mesh axes {axes}")
+
+
+def constrain_batch(x: jax.Array, dim: int = 0) -> jax.Array:
+    """Pins dimension ``dim`` of an activation to the batch axes of the mesh being traced
+    under (a no-op without them, or where they do not divide it). Why: with ZeRO-3 the
+    parameters are split over ``data`` along ``embed``, and XLA's propagation let
+    activations follow them: the embedding lookup came out split over H and attention ran
+    whole on every device, and cuDNN's attention refused q, k and v in different shardings
+    (4 x H200, ``data=4``; session 37)."""
+    axes = traced_batch_axes()
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    if not axes or x.shape[dim] % math.prod(sizes[a] for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(*(None,) * dim, axes))

@@ -66,7 +66,7 @@ from moejax.parallel.pipeline.storage import map_leaves
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import (StagePlan, StageRows, StageShape, StageStats,
                                              add_stats, stage_forward)
-from moejax.parallel.sharding import param_logical_axes
+from moejax.parallel.sharding import constrain_batch, param_logical_axes
 from moejax.parallel.pipeline.tables import ACT_SOURCES, GRAD_SOURCES, TickTables, tick_tables
 from moejax.profiling import median_seconds
 
@@ -95,6 +95,15 @@ class Carry(NamedTuple):
     grad_in: jax.Array  # (grad entries, b, S, H) gradients w.r.t. stage outputs
     grads: nnx.State  # gradients of this rank's held parameters so far
     stats: StageStats  # this rank's forward stats summed so far
+
+
+class TimingPrograms(NamedTuple):
+    """The jitted pieces of one step, run in turn: fetch the held rows, allocate the
+    buffers, run a range of ticks (fed its own output, tick by tick), finish."""
+    held: Callable
+    init: Callable
+    ticks: Callable
+    finish: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +186,12 @@ class PipelineExecutor:
         dtype = self.compute_dtype
         stats = jax.eval_shape(lambda: self._forward(
             self.plan.shape(0), 0, params, biases, jnp.zeros(entry, dtype), mb_tokens[0]))[1]
-        return Carry(jnp.zeros((acts, *entry), dtype), jnp.zeros((grads, *entry), dtype),
-                     jax.tree.map(jnp.zeros_like, params),
+        # Buffers split over the batch axes and gradients laid out as the held parameters,
+        # as the ticks leave them: a tick-range program fed its own output then runs
+        # without a second compile (and no rank holds whole micro-batches).
+        return Carry(constrain_batch(jnp.zeros((acts, *entry), dtype), dim=1),
+                     constrain_batch(jnp.zeros((grads, *entry), dtype), dim=1),
+                     gathered(jax.tree.map(jnp.zeros_like, params)),
                      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats))
 
     def _tick(self, params: nnx.State, biases: nnx.State, mb_tokens: jax.Array,
@@ -281,15 +294,10 @@ class PipelineExecutor:
         return jax.shard_map(body, in_specs=(specs, P(), P()), out_specs=out_specs,
                              axis_names={PIPE_AXIS}, check_vma=False)(params, biases, tokens)
 
-    def timed_step(self, params: nnx.State, biases: nnx.State, tokens: jax.Array,
-                   repeats: int = 5, profile_dir: str | None = None
-                   ) -> tuple[StepResult, float, list[float]]:
-        """The step as four jitted programs (fetch held rows, init buffers, a range of
-        ticks, finish), each compiled once: the result, the median wall time of the whole
-        chain over ``repeats`` runs, and each tick's wall time (the host waits after each;
-        every rank runs in lock-step, so a tick lasts as long as its slowest rank's op).
-        The tick-range program takes its bounds as arguments, so the step and the per-tick
-        timing share one compile of the tick loop. ``profile_dir``: one chain traced."""
+    def timing_programs(self, params: nnx.State) -> TimingPrograms:
+        """The step as four jitted programs (``TimingPrograms``) for ``timed_step``; the
+        tick-range program takes its bounds as arguments, so the step and the per-tick
+        timing share one compile of the tick loop."""
         m = self.schedule.num_microbatches
         mine = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
         stack = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
@@ -300,15 +308,25 @@ class PipelineExecutor:
             return jax.jit(jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
                                          axis_names={PIPE_AXIS}, check_vma=False))
 
-        held_of = sharded(lambda p: stack(self._held(p)[0]), (specs,), per_rank)
-        init = sharded(lambda h, b, tok: stack(self._init(mine(h), b,
-                                                          split_microbatches(tok, m))),
-                       (per_rank, P(), P()), per_rank)
-        ticks = sharded(lambda h, b, tok, c, start, stop: stack(self._ticks(
-            mine(h), b, split_microbatches(tok, m), mine(c), start, stop)),
-                        (per_rank, P(), P(), per_rank, P(), P()), per_rank)
-        finish = sharded(lambda p, c: self._finish(mine(c), self._held(p)[1], m),
-                         (specs, per_rank), StepResult(*(P(),) * 7, specs))
+        return TimingPrograms(
+            held=sharded(lambda p: stack(self._held(p)[0]), (specs,), per_rank),
+            init=sharded(lambda h, b, tok: stack(self._init(mine(h), b,
+                                                            split_microbatches(tok, m))),
+                         (per_rank, P(), P()), per_rank),
+            ticks=sharded(lambda h, b, tok, c, start, stop: stack(self._ticks(
+                mine(h), b, split_microbatches(tok, m), mine(c), start, stop)),
+                          (per_rank, P(), P(), per_rank, P(), P()), per_rank),
+            finish=sharded(lambda p, c: self._finish(mine(c), self._held(p)[1], m),
+                           (specs, per_rank), StepResult(*(P(),) * 7, specs)))
+
+    def timed_step(self, params: nnx.State, biases: nnx.State, tokens: jax.Array,
+                   repeats: int = 5, profile_dir: str | None = None
+                   ) -> tuple[StepResult, float, list[float]]:
+        """The step run through ``timing_programs``, each compiled once: the result, the
+        median wall time of the whole chain over ``repeats`` runs, and each tick's wall
+        time (the host waits after each; every rank runs in lock-step, so a tick lasts as
+        long as its slowest rank's op). ``profile_dir``: one chain traced."""
+        held_of, init, ticks, finish = self.timing_programs(params)
         num_ticks = jnp.int32(self.tables.num_ticks)
 
         def chain() -> StepResult:

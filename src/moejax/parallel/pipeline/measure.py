@@ -36,7 +36,7 @@ from moejax.parallel.pipeline.fb_pair import ORDERS, Stack, run_pair
 from moejax.parallel.pipeline.placement import PIPE_AXIS
 from moejax.parallel.pipeline.schedule import build
 from moejax.parallel.pipeline.storage import pad_stacks
-from moejax.profiling import median_seconds, profile
+from moejax.profiling import exposed_share, load_kernel_events, median_seconds, profile
 
 MTP_LAMBDA = 0.3
 
@@ -72,6 +72,9 @@ class Measured(NamedTuple):
     # per rank, the most any of its devices has held since the process began (bytes;
     # None where the backend keeps no statistics, e.g. XLA:CPU)
     peak_bytes: tuple[int, ...] | None
+    # per device, from the traced step (None without a profile): the time all_to_all
+    # kernels ran with no compute kernel beside them, as a share of the step
+    exposed_all_to_all: tuple[float, ...] | None = None
 
 
 def _peak_bytes(mesh: jax.sharding.Mesh) -> tuple[int, ...] | None:
@@ -110,8 +113,10 @@ def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: 
                     for r in range(mesh.pipe))
     held = tuple(sum(len(s.held[r]) for s in executor.placement.stacks.values())
                  for r in range(mesh.pipe))
+    exposed = (tuple(exposed_share(load_kernel_events(profile_dir / name)).values())
+               if profile_dir is not None else ())
     return Measured(step_s, tuple(ticks), bubbles, float(result.total), held,
-                    executor.tables.act_entries, _peak_bytes(device_mesh))
+                    executor.tables.act_entries, _peak_bytes(device_mesh), exposed or None)
 
 
 class OrderResult(NamedTuple):
