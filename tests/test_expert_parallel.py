@@ -409,3 +409,25 @@ def test_fp8_tokens_feed_the_fp8_expert_gemms_as_they_arrived(monkeypatch):
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 0.05 * np.linalg.norm(b) + 1e-6
+
+
+def test_experts_on_a_padded_buffer_change_nothing_but_its_size(moe):
+    """The budget's probes run one device's experts on an expert-parallel receive buffer's
+    rows (``moe.experts_on_rows``): the output and every gradient stay the same."""
+    x, bias = _inputs(11)
+
+    def loss(m, x):
+        out = m(x, bias)
+        return jnp.sum(out.y ** 2), out.stats.counts
+
+    def grad_fn(m, x):  # traced afresh each call: the row count is read while tracing
+        return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(m, x)
+
+    (want, want_counts), want_grads = grad_fn(moe, x)
+    rows = 4 * x.shape[0] * x.shape[1] * CONFIG.num_experts_per_tok
+    with moe_module.experts_on_rows(rows):
+        (got, got_counts), got_grads = grad_fn(moe, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_array_equal(got_counts, want_counts)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

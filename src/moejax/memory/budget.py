@@ -24,6 +24,10 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   for every MoE layer. It is XLA's own keep under the remat policy, the compute dtype and
   FP8 storage, net of what XLA fuses away or recomputes (a count of autodiff's residuals,
   as earlier versions used, overstated the full-remat `small` step on the GPU by 21%).
+  With ``expert`` > 1 the probes' experts run on the receive buffer's rows
+  (``expert_side_rows``: ep x the routed rows, dropless), as an expert-parallel device's
+  do and its backward keeps: without that the `small` step on 4 x H200 was under-counted
+  2.5x (22.14 GiB said, 55.59 used).
   With ``pipe`` > 1 the executor keeps only stage inputs between ticks and recomputes a
   stage in its B tick: the largest stage's share of one micro-batch's MoE-layer keep, plus
   the stage inputs and gradients its buffers hold at once (``parallel.pipeline.tables``,
@@ -65,6 +69,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from moejax.config import ConfigError
 from moejax.memory.ema import has_host_memory
+from moejax.model.moe import experts_on_rows
 from moejax.parallel.expert import make_transport
 from moejax.parallel.mesh import AXES, MeshSpec
 from moejax.parallel.pipeline.placement import ParamPlacement
@@ -210,12 +215,15 @@ def _in_background(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Fut
     return future
 
 
-def _lower_step(cfg: ExperimentConfig) -> tuple[Any, TrainState]:
-    """The real one-device step lowered for ``cfg``, and the abstract state it takes."""
+def _lower_step(cfg: ExperimentConfig, expert_rows: int | None = None
+                ) -> tuple[Any, TrainState]:
+    """The real one-device step lowered for ``cfg``, and the abstract state it takes;
+    ``expert_rows``: its MoE layers' experts run on that many rows (``moe.experts_on_rows``)."""
     graphdef, init = state_initializer(cfg, pipe=1)
     abstract = jax.eval_shape(init, jnp.uint32(0))
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
-    return make_train_step(graphdef, cfg).lower(abstract, tokens), abstract
+    with experts_on_rows(expert_rows):
+        return make_train_step(graphdef, cfg).lower(abstract, tokens), abstract
 
 
 def _memory_analysis(lowered: Any, autotune: bool, dump_to: str | None) -> Any:
@@ -230,21 +238,21 @@ def _memory_analysis(lowered: Any, autotune: bool, dump_to: str | None) -> Any:
     return lowered.compile(compiler_options=options).memory_analysis()
 
 
-def start_compile(cfg: ExperimentConfig, autotune: bool = True
+def start_compile(cfg: ExperimentConfig, autotune: bool = True, expert_rows: int | None = None
                   ) -> tuple[concurrent.futures.Future, TrainState]:
-    """Lowers ``cfg``'s one-device step now and compiles it on a budget thread: the future
-    of its ``memory_analysis()``, and the abstract state. Remembered per config, so a step
-    asked for twice compiles once (``--validate`` on a model no deeper than the budget's
-    deeper probe, ``tiny``, is that probe's very step). The cache sits behind this call,
-    which passes both arguments by position: ``lru_cache`` keys a defaulted argument apart
-    from the same value passed."""
-    return _started_compile(cfg, autotune)
+    """Lowers ``cfg``'s one-device step now (``expert_rows`` as in ``_lower_step``) and
+    compiles it on a budget thread: the future of its ``memory_analysis()``, and the
+    abstract state. Remembered per config, so a step asked for twice compiles once
+    (``--validate`` on a model no deeper than the budget's deeper probe, ``tiny``, is that
+    probe's very step). The cache sits behind this call, which passes every argument by
+    position: ``lru_cache`` keys a defaulted argument apart from the same value passed."""
+    return _started_compile(cfg, autotune, expert_rows)
 
 
 @functools.lru_cache(maxsize=8)
-def _started_compile(cfg: ExperimentConfig, autotune: bool
+def _started_compile(cfg: ExperimentConfig, autotune: bool, expert_rows: int | None
                      ) -> tuple[concurrent.futures.Future, TrainState]:
-    lowered, abstract = _lower_step(cfg)
+    lowered, abstract = _lower_step(cfg, expert_rows)
     return _in_background(_memory_analysis, lowered, autotune, None), abstract
 
 
@@ -263,13 +271,15 @@ class DepthFit(NamedTuple):
     depths: tuple[int, int]  # MoE layers of the two copies
 
 
-def depth_fit(cfg: ExperimentConfig, micro_batch: int, progress: Progress = _silent
-              ) -> DepthFit:
+def depth_fit(cfg: ExperimentConfig, micro_batch: int, progress: Progress = _silent,
+              expert_rows: int | None = None) -> DepthFit:
     """Two copies of the step with 3 and 4 MoE layers (fewer if the model has fewer; XLA
     unrolls a one-trip layer scan, so one layer alone is not typical of the stack). The
     slope is XLA's own keep per layer: it counts what XLA fuses away or recomputes (an
     ``exp`` re-derived from its logits, a remat policy's recomputation), which a count of
-    autodiff's residuals overstates, and how XLA packs the stack's buffers at depth."""
+    autodiff's residuals overstates, and how XLA packs the stack's buffers at depth.
+    ``expert_rows``: the experts of each MoE layer run on an expert-parallel device's
+    receive buffer of that many rows (``expert_side_rows``)."""
     deep = min(cfg.model.num_moe_layers, CALIBRATION_MOE_LAYERS)
     shallow = max(deep - 1, 0)
     start = time.perf_counter()
@@ -277,7 +287,7 @@ def depth_fit(cfg: ExperimentConfig, micro_batch: int, progress: Progress = _sil
     for n in sorted({shallow, deep}):
         progress(f"memory budget: lowering the step with {n} MoE layer(s) and compiling it "
                  "to measure XLA's activation memory (minutes for an FP8 step on a GPU)")
-        started[n] = start_compile(_at_depth(cfg, micro_batch, n))
+        started[n] = start_compile(_at_depth(cfg, micro_batch, n), True, expert_rows)
     beyond = {}
     for n, (future, abstract) in started.items():
         analysis = future.result()
@@ -289,20 +299,42 @@ def depth_fit(cfg: ExperimentConfig, micro_batch: int, progress: Progress = _sil
     return DepthFit(per_layer, max(beyond[shallow] - shallow * per_layer, 0), (shallow, deep))
 
 
+def _sized_transport(cfg: ExperimentConfig, mesh: MeshSpec, micro_batch: int,
+                     transport: str) -> Any:
+    """The MoE layers' transport as the layer sizes it (``expert.make_transport``), or None
+    without an exchange."""
+    m = cfg.model
+    if mesh.expert == 1 or m.num_moe_layers == 0:
+        return None
+    options = dataclasses.replace(cfg.expert_parallel, transport=transport)
+    return make_transport(options, mesh.expert, (), micro_batch * cfg.train.seq_len,
+                          m.num_experts_per_tok, m.n_routed_experts)
+
+
+def expert_side_rows(cfg: ExperimentConfig, mesh: MeshSpec, micro_batch: int,
+                     transport: str) -> int | None:
+    """Rows an expert-parallel device's experts run on, and every MoE layer's backward
+    keeps: the receive buffer, sized for the dropless worst case (ep x T x min(k, E/ep))
+    or the capacity. None on one device. On 4 x H200 (``small``, ep = 4) it is 4x the
+    routed rows, and the budget that left it out under-counted the step by 2.5x
+    (docs/performance.md, session 37)."""
+    sized = _sized_transport(cfg, mesh, micro_batch, transport)
+    if sized is None:
+        return None
+    return sized.recv_rows if transport == "ragged" else sized.ep * sized.capacity
+
+
 def exchange_bytes(cfg: ExperimentConfig, mesh: MeshSpec, micro_batch: int,
                    transport: str) -> int:
     """One MoE layer's expert-parallel send + receive buffers on one device, as the
     layer's own transport sizes them (``expert.make_transport``)."""
-    ep, m = mesh.expert, cfg.model
-    if ep == 1 or m.num_moe_layers == 0:
+    sized = _sized_transport(cfg, mesh, micro_batch, transport)
+    if sized is None:
         return 0
-    options = dataclasses.replace(cfg.expert_parallel, transport=transport)
-    sized = make_transport(options, ep, (), micro_batch * cfg.train.seq_len,
-                           m.num_experts_per_tok, m.n_routed_experts)
-    row_bytes = _nbytes((m.hidden_size,), cfg.train.compute_dtype)
+    row_bytes = _nbytes((cfg.model.hidden_size,), cfg.train.compute_dtype)
     if transport == "ragged":
         return (sized.num_rows + sized.recv_rows) * row_bytes
-    return 2 * ep * sized.capacity * (row_bytes + 4)  # tokens and int32 expert ids, both ways
+    return 2 * sized.ep * sized.capacity * (row_bytes + 4)  # tokens and int32 ids, both ways
 
 
 class PipelineTerms(NamedTuple):
@@ -373,7 +405,8 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     optimizer = per_device_bytes(abstract.opt_state, shardings.opt_state)
     pipeline = (pipeline_terms(cfg, mesh, abstract.params, micro_batch) if mesh.pipe > 1
                 else PipelineTerms(0, 1.0, 0))
-    fit = depth_fit(cfg, micro_batch, progress)
+    expert_rows = expert_side_rows(cfg, mesh, micro_batch, transport)
+    fit = depth_fit(cfg, micro_batch, progress, expert_rows)
     saved = fit.per_moe_layer * cfg.model.num_moe_layers
     gathered = (_gathered_layer(abstract.params, shardings.params, mesh.data)
                 if tc.zero_stage == 3 and mesh.data > 1 else 0)
@@ -398,7 +431,9 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
              f"{cfg.model.num_moe_layers} MoE layers x {fit.per_moe_layer / GIB:.3f} GiB "
              f"(XLA's temp growth from {fit.depths[0]} to {fit.depths[1]} MoE layers, "
              f"less that layer's gradients); "
-             f"micro-batch {micro_batch} x {tc.seq_len} tokens, remat={tc.remat}, "
+             f"micro-batch {micro_batch} x {tc.seq_len} tokens"
+             + (f", experts on {expert_rows} received rows" if expert_rows else "")
+             + f", remat={tc.remat}, "
              f"precision={tc.precision}, compute {tc.compute_dtype}"
              + (f"; {pipeline.stage_share:.0%} of the layers recomputed per B, "
                 f"{pipeline.buffers / GIB:.3f} GiB of stage inputs in flight"

@@ -8,8 +8,10 @@ mesh whose ``expert`` axis has more than one device, the routed part runs expert
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,20 +33,49 @@ class MoEOutput(NamedTuple):
     stats: RoutingStats
 
 
+_EXPERT_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "one_device_expert_rows", default=None)
+
+
+@contextlib.contextmanager
+def experts_on_rows(rows: int | None) -> Iterator[None]:
+    """Traced inside, a one-device MoE layer runs its routed experts on ``rows`` rows: its
+    routed copies, then zero rows that no expert's group covers, as an expert-parallel
+    device's receive buffer holds them (``expert.make_transport``). The outputs are the
+    same; the memory budget compiles its one-device probes so, to measure what that buffer
+    costs every MoE layer's backward (``memory.budget``)."""
+    token = _EXPERT_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _EXPERT_ROWS.reset(token)
+
+
+def _pad_rows(tree: Any, rows: int) -> Any:
+    """Each array of ``tree`` (leading axis: rows) zero-padded to ``rows`` rows."""
+    return jax.tree.map(lambda a: jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1)),
+                        tree)
+
+
 def routed_experts_local(x: jax.Array, router: jax.Array, bias: jax.Array,
                          weights: ExpertWeights, config: ModelConfig,
                          run_experts: expert_parallel.RunExperts = grouped_swiglu,
                          precision: Precision = Precision.BF16) -> MoEOutput:
     """Single-device routed experts: route, sort by expert, grouped FFN weighting each row
-    by its router weight, un-sort and sum each token's copies."""
+    by its router weight, un-sort and sum each token's copies (``experts_on_rows``: the FFN
+    on a padded buffer)."""
     batch, seq, hidden = x.shape
     logits = router_logits(x, router).reshape(batch * seq, -1)
     routing = route(logits, bias, config)
     sent = dispatch(x, routing.experts, config.n_routed_experts,
                     quantize=precision is Precision.FP8)
-    y_sorted = run_experts(sent.tokens, sent.group_sizes, weights, sent.tokens_fp8,
-                           sorted_weights(routing.weights, sent.order))
-    y = sum_copies(y_sorted, sent.order, config.num_experts_per_tok
+    routed = sent.tokens.shape[0]
+    inputs = (sent.tokens, sent.tokens_fp8, sorted_weights(routing.weights, sent.order))
+    if (rows := _EXPERT_ROWS.get()) is not None and rows > routed:
+        inputs = _pad_rows(inputs, rows)
+    tokens, tokens_fp8, row_weights = inputs
+    y_sorted = run_experts(tokens, sent.group_sizes, weights, tokens_fp8, row_weights)
+    y = sum_copies(y_sorted[:routed], sent.order, config.num_experts_per_tok
                    ).reshape(batch, seq, hidden)
     balance = balance_loss(routing, batch, config)
     no_copies = jnp.zeros((), jnp.int32)

@@ -90,6 +90,26 @@ def _loader(cfg: ExperimentConfig, shard_dir: pathlib.Path, split: str) -> Loade
                       process_index=jax.process_index(), process_count=jax.process_count())
 
 
+def _read_finished(finished: list[_Dispatched], compiling_step: int, last: float
+                   ) -> tuple[list[tuple[_Dispatched, dict, float]], float]:
+    """Each finished step's metrics (waiting on the device for them) with its wall time
+    since the step before, and the time of the last read. Two steps read in one go (before
+    an eval or a save) finished within the one wait: a host that ran the second while it
+    waited on the first (XLA:CPU) put both runs in the first's interval and ~0 in the
+    second's (a "0 ms" last step in every CPU run), so each gets half, unless one of them
+    is the step that compiled."""
+    read = []
+    for done in finished:
+        metrics = jax.device_get(done.metrics)
+        now = time.perf_counter()
+        read.append((done, metrics, now - last))
+        last = now
+    if len(read) == 2 and compiling_step not in (read[0][0].step, read[1][0].step):
+        half = (read[0][2] + read[1][2]) / 2
+        read = [(done, metrics, half) for done, metrics, _ in read]
+    return read, last
+
+
 class Trainer:
     """One run in one run dir; ``run()`` trains to ``cfg.train.steps``."""
 
@@ -212,10 +232,8 @@ class Trainer:
                 pending = _Dispatched(step, metrics, data_state)
                 if self._evaluates(step) or self._saves(step):
                     finished, pending = finished + [pending], None
-                for done in finished:
-                    metrics = jax.device_get(done.metrics)
-                    now = time.perf_counter()
-                    step_time, last = now - last, now
+                read, last = _read_finished(finished, first + 1, last)
+                for done, metrics, step_time in read:
                     record = self._record(done.step, metrics, step_time, flops_per_token,
                                           peak, compiled=done.step == first + 1)
                     if not metrics["finite"]:
