@@ -113,10 +113,11 @@ def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: 
                     for r in range(mesh.pipe))
     held = tuple(sum(len(s.held[r]) for s in executor.placement.stacks.values())
                  for r in range(mesh.pipe))
-    exposed = (tuple(exposed_share(load_kernel_events(profile_dir / name)).values())
-               if profile_dir is not None else ())
+    exposed = None  # without a profile, or where its trace has no kernels (XLA:CPU)
+    if profile_dir is not None:
+        exposed = tuple(exposed_share(load_kernel_events(profile_dir / name)).values()) or None
     return Measured(step_s, tuple(ticks), bubbles, float(result.total), held,
-                    executor.tables.act_entries, _peak_bytes(device_mesh), exposed or None)
+                    executor.tables.act_entries, _peak_bytes(device_mesh), exposed)
 
 
 class OrderResult(NamedTuple):
