@@ -173,32 +173,17 @@ def test_expert_parallel_keep_per_moe_layer_is_the_ep_steps_own():
     import jax
     import jax.numpy as jnp
 
-    from moejax.parallel.expert import expert_parallel_options
-    from moejax.parallel.mesh import build_mesh
-    from moejax.parallel.sharding import batch_sharding
-    from moejax.train.optimizer import make_optimizer
-    from moejax.train.placement import train_state_shardings
-    from moejax.train.step import make_train_step, state_initializer
+    from moejax.train.step import state_initializer
 
     spec = MeshSpec(data=2, expert=4)
     base = _tiny("train.batch_size=16", "train.seq_len=128")
-    mesh = build_mesh(spec)
 
     def temp_beyond_gradients(moe_layers: int) -> int:
         cfg = dataclasses.replace(base, model=base.model.replace(num_hidden_layers=moe_layers))
-        graphdef, init = state_initializer(cfg, 1)
-        abstract = jax.eval_shape(init, jnp.uint32(0))
-        shardings = train_state_shardings(abstract, mesh, make_optimizer(cfg.train), 3)
-        placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              abstract, shardings)
-        tokens = jax.ShapeDtypeStruct((16, cfg.train.seq_len + 1), jnp.int32,
-                                      sharding=batch_sharding(mesh))
-        step = make_train_step(graphdef, cfg, state_shardings=shardings,
-                               batch_sharding=batch_sharding(mesh))
-        with jax.set_mesh(mesh), expert_parallel_options(cfg.expert_parallel):
-            analysis = step.lower(placed, tokens).compile().memory_analysis()
+        _, analysis = budget_model.compiled_peak_on_mesh(cfg, spec)
+        abstract = jax.eval_shape(state_initializer(cfg, 1)[1], jnp.uint32(0))
         return analysis.temp_size_in_bytes - budget_model.per_device_bytes(
-            abstract.params, shardings.params)
+            abstract.params, _param_shardings(abstract, cfg, spec))
 
     real = temp_beyond_gradients(4) - temp_beyond_gradients(3)
     micro_batch = 16 // spec.size
@@ -212,3 +197,30 @@ def test_expert_parallel_keep_per_moe_layer_is_the_ep_steps_own():
     # ragged transport has it), and XLA:CPU's reference grouped GEMM keeps per-expert terms.
     # The probes without the receive rows read 41-49% low on these shapes.
     assert abs(probed / real - 1) < 0.25, (probed, real)
+
+
+def _param_shardings(abstract, cfg, spec):
+    """The parameters' shardings on ``spec`` as the trainer lays them out."""
+    import jax
+
+    from moejax.parallel.mesh import build_mesh
+    from moejax.train.optimizer import make_optimizer
+    from moejax.train.placement import train_state_shardings
+
+    mesh = build_mesh(spec, jax.devices()[:spec.size])
+    return train_state_shardings(abstract, mesh, make_optimizer(cfg.train),
+                                 cfg.train.zero_stage).params
+
+
+def test_cli_validates_a_mesh_on_this_hosts_devices(capsys):
+    """--validate with --mesh compiles the real sharded step on the host's (here simulated)
+    devices and prints its per-device memory beside the budget; a mesh the host cannot hold
+    or a pipe axis is refused before any compile."""
+    args = ["--validate", "--device-memory", "1TB"] + [a for s in SHAPES for a in ("--set", s)]
+    assert budget_cli(args + ["--mesh", "data=2,expert=2", "--set", "train.batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"real step \(per device\).* budget \d+\.\d+ GiB \([+-]\d+\.\d%\)", out), out
+    assert budget_cli(args + ["--mesh", "data=16"]) == 2
+    assert budget_cli(args + ["--mesh", "pipe=2,data=2"]) == 2
+    err = capsys.readouterr().err
+    assert "needs 16 devices, this host has 8" in err and "a pipe axis is not covered" in err

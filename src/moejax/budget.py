@@ -1,8 +1,9 @@
 """Will it fit? ``python -m moejax.budget --preset NAME --mesh ... [--set ...]``.
 
 Prints the per-device memory budget of one training step (``moejax.memory.budget``) as a
-table with a fits / does-not-fit verdict. ``--validate`` also compiles the real one-device
-step at the same micro-batch and prints XLA's ``memory_analysis()`` beside the estimate.
+table with a fits / does-not-fit verdict. ``--validate`` also compiles the real step at the
+same micro-batch (on ``--mesh``, sharded, where this host has its devices: simulated CPU
+devices do) and prints XLA's ``memory_analysis()`` beside the estimate.
 Bad input: one line on stderr, exit status 2; a budget that does not fit: exit status 1.
 """
 
@@ -13,8 +14,8 @@ import os
 import sys
 
 from moejax.config import ConfigError
-from moejax.memory.budget import (GIB, at_micro_batch, compiled_peak, estimate, parse_bytes,
-                                  start_compile)
+from moejax.memory.budget import (GIB, at_micro_batch, check_compilable_here, compiled_peak,
+                                  compiled_peak_on_mesh, estimate, parse_bytes, start_compile)
 from moejax.parallel.mesh import MeshSpec
 from moejax.train.config import apply_overrides, get_experiment_preset
 
@@ -32,8 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequences per device per forward/backward (default: the global "
                         "batch over data x expert)")
     p.add_argument("--validate", action="store_true",
-                   help="compile the real one-device step at this micro-batch and compare "
-                        "with XLA's memory_analysis() (one-device meshes only)")
+                   help="compile the real step at this micro-batch (on --mesh, which this "
+                        "host's devices must hold) and compare with XLA's memory_analysis()")
     return p.parse_args(argv)
 
 
@@ -48,23 +49,29 @@ def main(argv: list[str] | None = None) -> int:
         mesh = MeshSpec.parse(args.mesh)
         if args.micro_batch is not None and args.micro_batch < 1:
             raise ConfigError(f"--micro-batch={args.micro_batch}: must be >= 1")
-        if args.validate and mesh.size != 1:
-            raise ConfigError(f"--validate with --mesh {mesh}: compiles the one-device step; "
-                              "leave --mesh out")
         memory = parse_bytes(args.device_memory) if args.device_memory else None
-        if args.validate:  # compiles beside the budget's own two
+        if args.validate and mesh.size > 1:
+            check_compilable_here(mesh)
+        if args.validate and mesh.size == 1:  # compiles beside the budget's own two
             _progress("memory budget: lowering the real step and compiling it for XLA's "
                       "memory_analysis()")
             start_compile(at_micro_batch(cfg, args.micro_batch))
         budget = estimate(cfg, mesh, micro_batch=args.micro_batch, device_memory=memory,
                           progress=_progress)
+        if args.validate and mesh.size > 1:
+            _progress(f"memory budget: compiling the real step on --mesh {mesh} for XLA's "
+                      "memory_analysis()")
+            global_batch = (None if args.micro_batch is None
+                            else args.micro_batch * mesh.data * mesh.expert)
+            peak, analysis = compiled_peak_on_mesh(at_micro_batch(cfg, global_batch), mesh)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(budget.table())
     if args.validate:
-        peak, analysis = compiled_peak(cfg, args.micro_batch)
-        print(f"XLA memory_analysis of the real step: arguments "
+        if mesh.size == 1:
+            peak, analysis = compiled_peak(cfg, args.micro_batch)
+        print(f"XLA memory_analysis of the real step (per device): arguments "
               f"{analysis.argument_size_in_bytes / GIB:.3f} GiB + temp "
               f"{analysis.temp_size_in_bytes / GIB:.3f} GiB = {peak / GIB:.3f} GiB; budget "
               f"{budget.device_total / GIB:.3f} GiB ({budget.device_total / peak - 1:+.1%})")

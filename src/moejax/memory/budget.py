@@ -70,13 +70,13 @@ from jax.sharding import AbstractMesh, AxisType
 from moejax.config import ConfigError
 from moejax.memory.ema import has_host_memory
 from moejax.model.moe import experts_on_rows
-from moejax.parallel.expert import make_transport
-from moejax.parallel.mesh import AXES, MeshSpec
+from moejax.parallel.expert import expert_parallel_options, make_transport
+from moejax.parallel.mesh import AXES, MeshSpec, build_mesh
 from moejax.parallel.pipeline.placement import ParamPlacement
 from moejax.parallel.pipeline.schedule import build as build_schedule
 from moejax.parallel.pipeline.stages import StagePlan
 from moejax.parallel.pipeline.tables import tick_tables
-from moejax.parallel.sharding import STACKED, param_logical_axes
+from moejax.parallel.sharding import STACKED, batch_sharding, param_logical_axes
 from moejax.train.config import ExperimentConfig, apply_overrides
 from moejax.train.optimizer import make_optimizer
 from moejax.train.placement import train_state_shardings
@@ -493,4 +493,37 @@ def compiled_peak(cfg: ExperimentConfig, micro_batch: int | None = None, *,
         analysis = start_compile(cfg, autotune)[0].result()
     else:
         analysis = _memory_analysis(_lower_step(cfg)[0], autotune, dump_to)
+    return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes, analysis
+
+
+def check_compilable_here(mesh: MeshSpec) -> None:
+    """A clear error, before any compile, where ``compiled_peak_on_mesh`` cannot run."""
+    if mesh.pipe > 1:
+        raise ConfigError(f"--validate with --mesh {mesh}: a pipe axis is not covered (the "
+                          "pipeline executor's step); validate its stages' layout without it")
+    if jax.device_count() < mesh.size:
+        raise ConfigError(f"--validate with --mesh {mesh}: needs {mesh.size} devices, this "
+                          f"host has {jax.device_count()}")
+
+
+def compiled_peak_on_mesh(cfg: ExperimentConfig, mesh: MeshSpec) -> tuple[int, Any]:
+    """XLA's per-device peak (arguments + temp) of the real step on ``mesh``, sharded as
+    the trainer shards it and compiled (never run) on this host's devices, and its
+    analysis: what ``--validate`` checks a mesh's budget against (on CPU, simulated devices
+    do). ``cfg.train.batch_size`` is the global batch. Pipelined meshes are not covered."""
+    check_compilable_here(mesh)
+    device_mesh = build_mesh(mesh, jax.devices()[:mesh.size])
+    graphdef, init = state_initializer(cfg, pipe=1)
+    abstract = jax.eval_shape(init, jnp.uint32(0))
+    shardings = train_state_shardings(abstract, device_mesh, make_optimizer(cfg.train),
+                                      cfg.train.zero_stage)
+    placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32,
+                                  sharding=batch_sharding(device_mesh))
+    step = make_train_step(graphdef, cfg, state_shardings=shardings,
+                           batch_sharding=batch_sharding(device_mesh))
+    with jax.set_mesh(device_mesh), expert_parallel_options(cfg.expert_parallel):
+        analysis = step.lower(placed, tokens).compile(
+            compiler_options=MEASURE_OPTIONS).memory_analysis()
     return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes, analysis
