@@ -92,17 +92,17 @@ def test_skip_trains_on_past_the_bad_batch(tmp_path, monkeypatch):
     assert records[-1]["loss"] < records[0]["loss"]
 
 
-def test_two_steps_read_in_one_wait_share_it(monkeypatch):
-    """Before an eval or a save the host reads two steps at once; where the second ran
-    while the host waited on the first (XLA:CPU), the first's interval held both runs and
-    the second read ~0 ms (a "0 ms" last step in every CPU run). Each now gets half;
-    the compiling step keeps its own interval."""
+def test_two_steps_read_in_one_go_each_take_the_longer_interval(monkeypatch):
+    """Before an eval or a save the host reads two steps at once. On XLA:CPU a step runs
+    while it is dispatched, so the first read's interval held the second step's run and
+    the second read ~0 ms (a "0 ms" last step in every CPU run); on a GPU both intervals are
+    a step. Each now takes the longer one; the compiling step keeps its own interval."""
     clock = iter([10.0, 10.001, 20.0, 20.5])
     monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
     steps = [loop._Dispatched(s, {"loss": np.float32(s)}, {}) for s in (29, 30)]
     read, last = loop._read_finished(steps, 1, last=0.0)
     assert [(d.step, float(m["loss"]), t) for d, m, t in read] == [
-        (29, 29.0, pytest.approx(5.0005)), (30, 30.0, pytest.approx(5.0005))]
+        (29, 29.0, pytest.approx(10.0)), (30, 30.0, pytest.approx(10.0))]
     assert last == 10.001
     first = [loop._Dispatched(s, {"loss": np.float32(s)}, {}) for s in (1, 2)]
     read, _ = loop._read_finished(first, 1, last=10.001)

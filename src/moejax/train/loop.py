@@ -94,10 +94,11 @@ def _read_finished(finished: list[_Dispatched], compiling_step: int, last: float
                    ) -> tuple[list[tuple[_Dispatched, dict, float]], float]:
     """Each finished step's metrics (waiting on the device for them) with its wall time
     since the step before, and the time of the last read. Two steps read in one go (before
-    an eval or a save) finished within the one wait: a host that ran the second while it
-    waited on the first (XLA:CPU) put both runs in the first's interval and ~0 in the
-    second's (a "0 ms" last step in every CPU run), so each gets half, unless one of them
-    is the step that compiled."""
+    an eval or a save): on an asynchronous device each wait spans one step; on a host that
+    runs a step while dispatching it (XLA:CPU), each interval holds the next step's run,
+    so the first of the two holds the second's and the second ~0 (a "0 ms" last step in
+    every CPU run). Either way each of the two took the longer interval, unless one of
+    them is the step that compiled."""
     read = []
     for done in finished:
         metrics = jax.device_get(done.metrics)
@@ -105,8 +106,8 @@ def _read_finished(finished: list[_Dispatched], compiling_step: int, last: float
         read.append((done, metrics, now - last))
         last = now
     if len(read) == 2 and compiling_step not in (read[0][0].step, read[1][0].step):
-        half = (read[0][2] + read[1][2]) / 2
-        read = [(done, metrics, half) for done, metrics, _ in read]
+        longer = max(read[0][2], read[1][2])
+        read = [(done, metrics, longer) for done, metrics, _ in read]
     return read, last
 
 
