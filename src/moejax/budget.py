@@ -50,15 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.micro_batch is not None and args.micro_batch < 1:
             raise ConfigError(f"--micro-batch={args.micro_batch}: must be >= 1")
         memory = parse_bytes(args.device_memory) if args.device_memory else None
-        if args.validate and mesh.size > 1:
-            check_compilable_here(mesh)
-        if args.validate and mesh.size == 1:  # compiles beside the budget's own two
+        on_mesh = args.validate and mesh.size > 1
+        if on_mesh:
+            check_compilable_here(mesh)  # before the budget's compiles
+        elif args.validate:  # compiles beside the budget's own two
             _progress("memory budget: lowering the real step and compiling it for XLA's "
                       "memory_analysis()")
             start_compile(at_micro_batch(cfg, args.micro_batch))
         budget = estimate(cfg, mesh, micro_batch=args.micro_batch, device_memory=memory,
                           progress=_progress)
-        if args.validate and mesh.size > 1:
+        if on_mesh:
             _progress(f"memory budget: compiling the real step on --mesh {mesh} for XLA's "
                       "memory_analysis()")
             global_batch = (None if args.micro_batch is None
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(budget.table())
     if args.validate:
-        if mesh.size == 1:
+        if not on_mesh:
             peak, analysis = compiled_peak(cfg, args.micro_batch)
         print(f"XLA memory_analysis of the real step (per device): arguments "
               f"{analysis.argument_size_in_bytes / GIB:.3f} GiB + temp "

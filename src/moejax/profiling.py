@@ -100,6 +100,12 @@ def _covered_us(intervals: list[tuple[float, float]],
     return covered
 
 
+def _exposed_us(intervals: list[tuple[float, float]],
+                compute: list[tuple[float, float]]) -> float:
+    """Length of the union of ``intervals`` with no ``compute`` interval beside it."""
+    return _union_us(intervals) - _covered_us(intervals, compute)
+
+
 class DeviceTime(NamedTuple):
     busy_ms: dict[str, float]  # per category: union of its kernels' time
     total_busy_ms: float  # union over all kernels
@@ -118,8 +124,7 @@ def device_time(events: list[KernelEvent], device: str | None = None) -> DeviceT
         if e.device == device:
             spans[e.category].append((e.start_us, e.start_us + e.dur_us))
     compute = [s for c, v in spans.items() if c != "communication" for s in v]
-    communication = spans["communication"]
-    exposed = _union_us(communication) - _covered_us(communication, compute)
+    exposed = _exposed_us(spans["communication"], compute)
     return DeviceTime({c: _union_us(spans[c]) / 1e3 for c in CATEGORIES},
                       _union_us([s for v in spans.values() for s in v]) / 1e3, exposed / 1e3,
                       _union_us(compute) / 1e3)
@@ -143,7 +148,7 @@ def exposed_share(events: list[KernelEvent], pattern: re.Pattern = ALL_TO_ALL
                    if pattern.search(e.name) or pattern.search(e.hlo_op)]
         compute = [(e.start_us, e.start_us + e.dur_us) for e in mine
                    if e.category != "communication"]
-        shares[device] = (_union_us(matched) - _covered_us(matched, compute)) / span
+        shares[device] = _exposed_us(matched, compute) / span
     return shares
 
 
