@@ -19,7 +19,7 @@ from moejax.parallel import distributed
 from moejax.parallel.mesh import MeshSpec
 from moejax.train.config import (PIPELINE_SCHEDULES, ExperimentConfig, apply_overrides,
                                  get_experiment_preset)
-from moejax.train.loop import Trainer, TrainingError
+from moejax.train.loop import StepTrace, Trainer, TrainingError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default 2P)")
     p.add_argument("--data", help="shard folder from experiments.prepare_data "
                                   "(sets data.dir; default: the embedded corpus)")
+    p.add_argument("--profile", type=pathlib.Path, metavar="DIR",
+                   help="trace --profile-steps steps (from the third) with jax.profiler into "
+                        "DIR and log where each step's device time went")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="steps --profile traces (default 3; not counted in the median step)")
     distributed.add_arguments(p)
     return p.parse_args(argv)
 
@@ -74,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize(args)
         cfg = build_config(args)
         run_dir = args.run_dir or pathlib.Path("runs") / args.preset
-        Trainer(cfg, run_dir, resume=args.resume, log=lambda m: print(m, flush=True)).run()
+        trace = StepTrace(args.profile, args.profile_steps) if args.profile else None
+        Trainer(cfg, run_dir, resume=args.resume, log=lambda m: print(m, flush=True),
+                trace=trace).run()
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

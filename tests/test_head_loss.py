@@ -1,14 +1,18 @@
 """The fused, chunked head + cross-entropy against float64 and against the unfused head."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import get_model_preset
 from moejax.model import DeepseekV3
 from moejax.model.head_loss import head_cross_entropy
+from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.precision import dense_matmul
 
 
@@ -50,6 +54,40 @@ def test_loss_and_gradients_match_float64(batch, seq, chunk):
     np.testing.assert_allclose(dw, 0.7 * ref_dw, rtol=1e-4, atol=1e-6 * np.abs(ref_dw).max())
     # Without differentiation the loss-only scan gives the same value.
     np.testing.assert_allclose(plain, ref_loss, rtol=1e-5)
+
+
+def _loop_bodies(hlo: str) -> list[str]:
+    """The text of every while loop's body computation in an HLO module."""
+    names = re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo)
+    blocks = re.split(r"\n(?=\S)", hlo)
+    return [b for b in blocks for n in names if re.match(rf"%?{re.escape(n)}[ (]", b)]
+
+
+@pytest.mark.parametrize("layout", ["data=4", "data=2,expert=2"])
+def test_split_batch_scans_per_device_and_reduces_once(layout):
+    """A batch split over ``data`` (and ``expert``), the kernel split over ``data`` as
+    ZeRO-3 splits it: loss and gradients still match float64, and no collective sits in
+    the chunk loop (the partitioner had gathered the kernel and reduce-scattered dW in
+    every chunk)."""
+    h, kernel, labels = _problem(8, 24, 32, 300, jnp.float32)
+    mesh = build_mesh(MeshSpec.parse(layout), jax.devices()[:4])
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    batch_axes = ("data", "expert") if "expert" in layout else ("data",)
+    h, labels = put(h, batch_axes), put(labels, batch_axes)
+    kernel = put(kernel, "data", None)
+    grad = jax.jit(jax.value_and_grad(lambda h, k: 0.7 * head_cross_entropy(h, k, labels, 16),
+                                      argnums=(0, 1)))
+    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+        loss, (dh, dw) = grad(h, kernel)
+        hlo = grad.lower(h, kernel).compile().as_text()
+    ref_loss, ref_dh, ref_dw = _float64_reference(h, kernel, labels)
+    np.testing.assert_allclose(loss, 0.7 * ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(dh, 0.7 * ref_dh, rtol=1e-4, atol=1e-6 * np.abs(ref_dh).max())
+    np.testing.assert_allclose(dw, 0.7 * ref_dw, rtol=1e-4, atol=1e-6 * np.abs(ref_dw).max())
+    bodies = _loop_bodies(hlo)
+    assert bodies, "the chunk loop is gone from the compiled step"
+    for body in bodies:
+        assert not re.search(r"all-gather|reduce-scatter|all-reduce|all-to-all", body), body
 
 
 def test_bf16_matches_the_unfused_head():

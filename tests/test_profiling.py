@@ -95,3 +95,35 @@ def test_interleaved_timing_takes_turns_and_returns_each_median():
     medians = profiling.interleaved_median_seconds(fns, repeats=3, warmup=1)
     assert calls == ["exchange", "raw"] + ["exchange", "raw"] * 3
     assert set(medians) == {"exchange", "raw"} and all(t >= 0 for t in medians.values())
+
+
+def test_collective_account_splits_each_kind_and_what_is_exposed():
+    """ZeRO-3's weight gathers, its gradient reduce-scatters and the token exchange are told
+    apart (by HLO op first: NCCL runs an all_to_all as SendRecv kernels), each with the part
+    no compute kernel hides. Times in ms (x 1000 us)."""
+    gpu = "/device:GPU:0"
+
+    def K(name, hlo_op, start_ms, dur_ms, device=gpu):
+        return profiling.KernelEvent(device, name, hlo_op, start_ms * 1e3, dur_ms * 1e3)
+
+    events = [
+        K("sm90_xmma_gemm_bf16", "dot.1", 0, 100),
+        K("ncclDevKernel_AllGather_RING_LL", "all-gather-start.2", 90, 20),  # 10 exposed
+        K("ncclDevKernel_ReduceScatter_Sum", "reduce-scatter.3", 120, 30),
+        K("ncclDevKernel_SendRecv", "all-to-all.4", 20, 10),  # hidden by the GEMM
+        K("loop_fusion", "fusion.5", 140, 20),  # hides 140..150 of the scatter: 20 exposed
+        K("ncclDevKernel_AllGather_RING_LL", "all-gather.2", 0, 500, "/device:GPU:1"),
+    ]
+    split = profiling.collective_time(events, gpu)
+    assert split == {"all-to-all": (10.0, 0.0), "all-gather": (20.0, 10.0),
+                     "reduce-scatter": (30.0, 20.0)}
+    assert list(map(profiling.collective_kind, events[:5])) == [
+        None, "all-gather", "reduce-scatter", "all-to-all", None]
+    lines = profiling.account(events, calls=2, device=gpu)
+    assert lines[0] == (f"{gpu}, ms per step: kernels busy 75.0 (communication 30.0, gemm "
+                        "50.0, attention 0.0, movement 0.0, other 10.0); communication "
+                        "exposed 15.0")
+    assert lines[1] == ("  collectives: all-to-all 5.0 (exposed 0.0), all-gather 10.0 "
+                        "(exposed 5.0), reduce-scatter 15.0 (exposed 10.0)")
+    assert lines[2] == "  sm90_xmma_gemm_bf16 [gemm] 50.00"
+    assert profiling.account([], calls=3) == []

@@ -107,3 +107,27 @@ def test_two_steps_read_in_one_go_each_take_the_longer_interval(monkeypatch):
     first = [loop._Dispatched(s, {"loss": np.float32(s)}, {}) for s in (1, 2)]
     read, _ = loop._read_finished(first, 1, last=10.001)
     assert [t for _, _, t in read] == [pytest.approx(9.999), pytest.approx(0.5)]
+
+
+def test_profile_traces_its_window_and_leaves_it_out_of_the_median(tmp_path):
+    """``--profile`` traces steps 3-4 of 5 (after the compiling step and one more), marks
+    them in the metrics, logs the trace's place, and the median step is of steps 2 and 5."""
+    cfg = _config(steps=5, every=100)
+    logged = []
+    trace = loop.StepTrace(tmp_path / "trace", steps=2)
+    summary = loop.Trainer(cfg, tmp_path / "run", resume=False, log=logged.append,
+                           trace=trace).run()
+    assert list((tmp_path / "trace" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records if r.get("traced")] == [3, 4]
+    untraced = {r["step"]: r["step_time_s"] for r in records if not r.get("traced")}
+    assert summary.median_step_s == pytest.approx((untraced[2] + untraced[5]) / 2)
+    assert any(line.startswith("trace of steps 3-4 in ") for line in logged)
+
+
+def test_profile_window_must_fit_the_run(tmp_path):
+    with pytest.raises(loop.ConfigError, match="--profile-steps 3: the run trains steps 1-4"):
+        loop.Trainer(_config(steps=4, every=100), tmp_path, resume=False,
+                     trace=loop.StepTrace(tmp_path / "trace", steps=3))
+    with pytest.raises(loop.ConfigError, match="--profile-steps 0: must be a positive"):
+        loop.StepTrace(tmp_path, steps=0)

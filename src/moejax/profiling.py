@@ -39,6 +39,17 @@ _PATTERNS = (  # first match wins
 ALL_TO_ALL = re.compile(r"all-to-all|all_to_all|alltoall", re.I)
 
 
+# Each collective's kernels, by kind, for a step's account. The HLO op decides where the
+# trace names one (NCCL runs an all_to_all as ``SendRecv`` kernels); else the kernel name.
+COLLECTIVES = (
+    ("all-to-all", ALL_TO_ALL),
+    ("all-gather", re.compile(r"all-gather|allgather", re.I)),
+    ("reduce-scatter", re.compile(r"reduce-scatter|reducescatter", re.I)),
+    ("all-reduce", re.compile(r"all-reduce|allreduce", re.I)),
+    ("send/recv", re.compile(r"collective-permute|ppermute|sendrecv|send|recv", re.I)),
+)
+
+
 class KernelEvent(NamedTuple):
     device: str  # the trace's process name, e.g. "/device:GPU:0"
     name: str  # kernel name
@@ -152,6 +163,39 @@ def exposed_share(events: list[KernelEvent], pattern: re.Pattern = ALL_TO_ALL
     return shares
 
 
+def collective_kind(event: KernelEvent) -> str | None:
+    """Which of ``COLLECTIVES`` a kernel runs, or None for a compute kernel."""
+    if event.category != "communication":
+        return None
+    for text in (event.hlo_op, event.name):
+        for kind, pattern in COLLECTIVES:
+            if text and pattern.search(text):
+                return kind
+    return "send/recv"
+
+
+class CollectiveTime(NamedTuple):
+    busy_ms: float  # union of the kind's kernels
+    exposed_ms: float  # of that, while no compute kernel runs on the device
+
+
+def collective_time(events: list[KernelEvent], device: str) -> dict[str, CollectiveTime]:
+    """Busy and exposed time of each collective kind on ``device`` (kinds that ran). Why
+    per kind: a step's exposed communication alone cannot say whether ZeRO-3's weight
+    gathers, its gradient reduce-scatters or the token exchange is what the GPU waits on."""
+    mine = [e for e in events if e.device == device]
+    compute = [(e.start_us, e.start_us + e.dur_us) for e in mine
+               if e.category != "communication"]
+    spans: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for e in mine:
+        kind = collective_kind(e)
+        if kind:
+            spans[kind].append((e.start_us, e.start_us + e.dur_us))
+    return {kind: CollectiveTime(_union_us(spans[kind]) / 1e3,
+                                 _exposed_us(spans[kind], compute) / 1e3)
+            for kind, _ in COLLECTIVES if spans[kind]}
+
+
 def top_kernels(events: list[KernelEvent], count: int = 15) -> list[tuple[str, str, float]]:
     """(name, category, total us) of the kernels with the most device time in a trace:
     what a per-category split cannot say (which kernel, and whether it was filed right)."""
@@ -160,6 +204,29 @@ def top_kernels(events: list[KernelEvent], count: int = 15) -> list[tuple[str, s
         total[e.name[:80], e.category] += e.dur_us
     return [(n, c, round(us, 1)) for (n, c), us in
             sorted(total.items(), key=lambda kv: -kv[1])[:count]]
+
+
+def account(events: list[KernelEvent], calls: int, device: str | None = None) -> list[str]:
+    """Lines that say where ``calls`` traced calls (a training run's steps) spent one
+    device's time, per call: busy time by category, exposed communication, each collective
+    kind, and the costliest kernels. Empty where the trace holds no accelerator kernels."""
+    if not events:
+        return []
+    device = device or sorted({e.device for e in events})[0]
+    per = lambda ms: ms / calls  # noqa: E731
+    t = device_time(events, device)
+    categories = ", ".join(f"{c} {per(t.busy_ms[c]):.1f}" for c in CATEGORIES)
+    lines = [f"{device}, ms per step: kernels busy {per(t.total_busy_ms):.1f} ({categories}); "
+             f"communication exposed {per(t.exposed_communication_ms):.1f}"]
+    kinds = collective_time(events, device)
+    if kinds:
+        lines.append("  collectives: " + ", ".join(
+            f"{kind} {per(c.busy_ms):.1f} (exposed {per(c.exposed_ms):.1f})"
+            for kind, c in kinds.items()))
+    lines += [f"  {name} [{category}] {per(us / 1e3):.2f}"
+              for name, category, us in top_kernels([e for e in events if e.device == device],
+                                                    8)]
+    return lines
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:

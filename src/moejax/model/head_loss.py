@@ -10,7 +10,14 @@ gradient ``(softmax - onehot) / N`` rounded to the compute dtype (as the head's 
 ``dW += h^T @ dlogits`` with FP32 accumulation. Backward only scales the kept ``dh`` (FP32,
 tokens x hidden) and ``dW`` (FP32, hidden x vocab) by the loss's cotangent. The three GEMMs
 are the ones autodiff would run; nothing is recomputed. Chunks run along the sequence and
-keep the batch axis whole, so a batch sharded over ``data`` stays sharded inside each chunk.
+keep the batch axis whole.
+
+A batch split over mesh axes (``data``, ``expert``) runs the chunks in a ``shard_map`` over
+them: each device's own rows against the kernel gathered once, its partial ``dW`` summed in
+its own memory and reduced across devices once. Left to the partitioner, the chunk loop
+gathered the ZeRO-3 kernel and reduce-scattered ``dW`` in every chunk, one after the other
+with little beside them: 16 chunks, about 18 ms per head call of a 153 ms step (``small``,
+``data=4``, 4 x H200; session 38).
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from pallas_kernels.varying import mark_varying, varying_union
+
+from moejax.parallel.sharding import check_batch_divides, traced_batch_axes
 
 # FP32 logits of one chunk: bounds the transient to about this much (its rounded gradient
 # adds half again). 4096 tokens of a 32768-word vocabulary; 1038 of DeepSeek-V3's 129280.
@@ -45,9 +55,11 @@ def head_cross_entropy(h: jax.Array, kernel: jax.Array, labels: jax.Array,
                          f"must agree; got h {h.shape}, labels {labels.shape}, kernel "
                          f"{kernel.shape}")
     chunk = chunk_tokens or chunk_tokens_for(kernel.shape[1])
-    positions = max(1, min(h.shape[1], chunk // h.shape[0]))
+    axes = traced_batch_axes()
+    rows = h.shape[0] // (check_batch_divides(h.shape[0], axes) if axes else 1)
+    positions = max(1, min(h.shape[1], chunk // rows))
     kernel = mark_varying(kernel, varying_union((h, labels)))
-    return _head_ce(h, kernel, labels, positions,
+    return _head_ce(h, kernel, labels, positions, axes,
                     (np.dtype(h.dtype), np.dtype(kernel.dtype)))
 
 
@@ -101,17 +113,39 @@ def _scan(h: jax.Array, kernel: jax.Array, labels: jax.Array, positions: int,
     return loss_sum / count, _unchunked(dh, seq), dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _head_ce(h, kernel, labels, positions, dtypes):
-    return _scan(h, kernel, labels, positions, with_grads=False)
+def _scan_per_device(h: jax.Array, kernel: jax.Array, labels: jax.Array, positions: int,
+                     axes: tuple[str, ...], with_grads: bool):
+    """``_scan`` where the batch is split over the mesh ``axes`` (none: as is): each device
+    scans its own rows, then the means (loss, dW) are averaged across the devices and each
+    row's dh scaled to the global mean (equal shards: ``check_batch_divides``)."""
+    if not axes:
+        return _scan(h, kernel, labels, positions, with_grads)
+
+    def body(h, kernel, labels):
+        out = _scan(h, mark_varying(kernel, axes), labels, positions, with_grads)
+        if not with_grads:
+            return jax.lax.pmean(out, axes)
+        loss, dh, dw = out
+        shards = jax.lax.psum(1, axes)
+        return jax.lax.pmean(loss, axes), dh / shards, jax.lax.pmean(dw, axes)
+
+    rows = P(axes)
+    out_specs = (P(), rows, P()) if with_grads else P()
+    return jax.shard_map(body, in_specs=(rows, P(), rows), out_specs=out_specs)(
+        h, kernel, labels)
 
 
-def _head_ce_fwd(h, kernel, labels, positions, dtypes):
-    loss, dh, dw = _scan(h, kernel, labels, positions, with_grads=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _head_ce(h, kernel, labels, positions, axes, dtypes):
+    return _scan_per_device(h, kernel, labels, positions, axes, with_grads=False)
+
+
+def _head_ce_fwd(h, kernel, labels, positions, axes, dtypes):
+    loss, dh, dw = _scan_per_device(h, kernel, labels, positions, axes, with_grads=True)
     return loss, (dh, dw)
 
 
-def _head_ce_bwd(positions, dtypes, residuals, g):
+def _head_ce_bwd(positions, axes, dtypes, residuals, g):
     dh, dw = residuals
     h_dtype, kernel_dtype = dtypes
     return (g * dh).astype(h_dtype), (g * dw).astype(kernel_dtype), None

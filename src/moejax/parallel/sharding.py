@@ -108,13 +108,15 @@ def traced_batch_axes() -> tuple[str, ...]:
                  if sizes.get(a, 1) > 1 and a not in mesh.manual_axes)
 
 
-def check_batch_divides(batch: int, axes: tuple[str, ...]) -> None:
-    """A clear error where ``batch`` rows cannot split evenly over the mesh ``axes``."""
+def check_batch_divides(batch: int, axes: tuple[str, ...]) -> int:
+    """How many shards ``batch`` rows split into over the mesh ``axes``; a clear error
+    where they cannot split evenly."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     shards = math.prod(sizes[a] for a in axes)
     if batch % shards:
         raise ConfigError(f"batch size {batch}: must be divisible by the {shards} devices "
                           f"of mesh axes {axes}")
+    return shards
 
 
 def constrain_batch(x: jax.Array, dim: int = 0) -> jax.Array:

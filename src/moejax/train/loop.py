@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import profiling
 from moejax.config import ConfigError
 from moejax.data.corpus import resolve_data_dir
 from moejax.data.pipeline import LoaderSpec, make_dataset
@@ -55,6 +56,35 @@ class _Dispatched(NamedTuple):
     step: int
     metrics: dict  # device arrays
     data_state: dict  # the loader's state before the step's batch (to replay it)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """A ``jax.profiler`` trace of ``steps`` training steps into ``dir``, taken after the
+    compiling step and one more (both unlike the rest), and accounted in the log."""
+
+    dir: pathlib.Path
+    steps: int = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ConfigError(f"--profile-steps {self.steps}: must be a positive integer")
+
+    def window(self, first: int, last: int) -> range:
+        """The traced steps of a run that goes from after ``first`` to ``last``."""
+        start = first + 3
+        if start + self.steps - 1 > last:
+            raise ConfigError(
+                f"--profile-steps {self.steps}: the run trains steps {first + 1}-{last}, and "
+                f"tracing starts at step {start} (after the compiling step and one more); "
+                "raise --steps or lower --profile-steps")
+        return range(start, start + self.steps)
+
+    def process_dir(self) -> pathlib.Path:
+        """Where this process writes (one folder per process where there are several)."""
+        if jax.process_count() == 1:
+            return self.dir
+        return self.dir / f"process_{jax.process_index()}"
 
 
 class TrainingError(RuntimeError):
@@ -115,7 +145,7 @@ class Trainer:
     """One run in one run dir; ``run()`` trains to ``cfg.train.steps``."""
 
     def __init__(self, cfg: ExperimentConfig, run_dir: pathlib.Path, *, resume: bool,
-                 log=print):
+                 log=print, trace: StepTrace | None = None):
         self.cfg, self.run_dir = cfg, pathlib.Path(run_dir)
         # Multi-process runs: process 0 speaks and writes the run dir's own files.
         self.primary = jax.process_index() == 0
@@ -128,12 +158,16 @@ class Trainer:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: must be >= the "
                               f"{self.data_info.vocab_size} ids of the data's "
                               f"{self.data_info.tokenizer} tokenizer ({self.shard_dir})")
+        if trace and not resume:  # a fresh run starts at 0: refuse before Orbax's threads
+            trace.window(0, cfg.train.steps)
         self.ckpt = Checkpointer(self.run_dir, cfg.checkpoint)
         self.resume_step = self.ckpt.latest_step()
         if self.resume_step is not None and not resume:
             raise ConfigError(f"run dir {self.run_dir} already holds checkpoints (latest step "
                               f"{self.resume_step}); pass --resume to continue it or choose "
                               "another --run-dir")
+        self.traced = trace.window(self.resume_step or 0, cfg.train.steps) if trace else range(0)
+        self.trace = trace
         if self.primary:
             check_config(self.run_dir, cfg.to_dict())
 
@@ -220,6 +254,8 @@ class Trainer:
         try:
             last = time.perf_counter()
             for step in range(first + 1, tc.steps + 1):
+                if self.traced and step == self.traced.start:
+                    jax.profiler.start_trace(str(self.trace.process_dir()))
                 data_state = train_iter.get_state()
                 batch = jax.make_array_from_process_local_data(batch_sh, next(train_iter))
                 state, metrics = train_step(state, batch, halt)
@@ -242,7 +278,7 @@ class Trainer:
                         self._nonfinite(done.step, state, done.data_state, record,
                                         metrics_log, ema_state)
                         continue
-                    if done.step > first + 1:
+                    if done.step > first + 1 and done.step not in self.traced:
                         step_times.append(step_time)
                     losses[done.step] = record["loss"]
                     current = done.step == step  # the state is this step's
@@ -264,6 +300,11 @@ class Trainer:
                                         if "ema_eval_loss" in record else ""))
                     if current and self._saves(step):
                         self.ckpt.save(step, state, train_iter.get_state(), ema_state)
+                if self.traced and step == self.traced[-1]:
+                    jax.block_until_ready(state)
+                    jax.profiler.stop_trace()
+                    self._report_trace()
+                    last = time.perf_counter()  # the trace's write-out is not step time
         finally:
             metrics_log.close()
             self.ckpt.close()
@@ -296,7 +337,18 @@ class Trainer:
             record["expert_tokens_format"] = self.cfg.expert_parallel.token_format
         if compiled:
             record["includes_compile"] = True
+        if step in self.traced:
+            record["traced"] = True
         return record
+
+    def _report_trace(self) -> None:
+        """The traced steps' account, from this process's first device."""
+        where = self.trace.process_dir()
+        lines = profiling.account(profiling.load_kernel_events(where), len(self.traced))
+        self.log(f"trace of steps {self.traced.start}-{self.traced[-1]} in {where}"
+                 + ("" if lines else " (no accelerator kernels in it: XLA:CPU)"))
+        for line in lines:
+            self.log(line)
 
     def _nonfinite(self, step: int, state: TrainState, data_state: dict, record: dict,
                    metrics_log: MetricsLog, ema_state: Any = None) -> None:
