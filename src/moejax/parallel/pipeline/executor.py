@@ -61,7 +61,7 @@ from moejax.config import ModelConfig
 from moejax.model import DeepseekV3, ModelLosses
 from moejax.parallel.expert import EXPERT_AXIS, expert_axis_size
 from moejax.parallel.pipeline.paired import Chunk, fb_tick, pairs_pieces
-from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement
+from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement, sum_over_pipe
 from moejax.parallel.pipeline.storage import map_leaves
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import (StagePlan, StageRows, StageShape, StageStats,
@@ -257,7 +257,7 @@ class PipelineExecutor:
         """Gradients w.r.t. the stored parameters, and the stats summed over ``pipe``."""
         (grads,) = unfetch(carry.grads)
         grads = self.placement.reduce_grads(grads)
-        s = jax.lax.psum(carry.stats, PIPE_AXIS)
+        s = sum_over_pipe(carry.stats)
         mean = lambda x: x / num_microbatches  # noqa: E731
         return StepResult(mean(s.loss), mean(s.main), mean(s.mtp), mean(s.aux), s.counts,
                           s.dropped, s.cross_node, grads)

@@ -24,7 +24,7 @@ DualPipe's two copies of a stage add up there with no extra collective.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,15 @@ from moejax.parallel.pipeline.storage import map_leaves, stack_lengths, stored_l
 from moejax.parallel.sharding import STACKED
 
 PIPE_AXIS = "pipe"
+
+
+def sum_over_pipe(x: Any) -> Any:
+    """``psum`` of the tree ``x`` over ``pipe``; as is on one rank, where XLA's partitioner
+    refuses a cross-partition all-reduce over the size-1 manual axis (a RET_CHECK in
+    ``spmd_partitioner.cc``, jax 0.10)."""
+    if jax.sharding.get_abstract_mesh().shape[PIPE_AXIS] == 1:
+        return x
+    return jax.lax.psum(x, PIPE_AXIS)
 
 
 def _padded(rows: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarray:
@@ -157,4 +166,4 @@ class ParamPlacement:
         """Gradients w.r.t. the stored parameters (the fetch's VJP applied) summed over
         ``pipe`` where storage is whole; stacks were summed by the VJP's rounds."""
         return map_leaves(grads, lambda path, g: g if self._stack_of(path)
-                          else jax.lax.psum(g, PIPE_AXIS))
+                          else sum_over_pipe(g))
