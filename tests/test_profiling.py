@@ -112,18 +112,20 @@ def test_collective_account_splits_each_kind_and_what_is_exposed():
         K("ncclDevKernel_ReduceScatter_Sum", "reduce-scatter.3", 120, 30),
         K("ncclDevKernel_SendRecv", "all-to-all.4", 20, 10),  # hidden by the GEMM
         K("loop_fusion", "fusion.5", 140, 20),  # hides 140..150 of the scatter: 20 exposed
+        K("ncclDevKernel_Broadcast_RING_LL", "", 300, 4),  # a collective of no listed kind
         K("ncclDevKernel_AllGather_RING_LL", "all-gather.2", 0, 500, "/device:GPU:1"),
     ]
     split = profiling.collective_time(events, gpu)
     assert split == {"all-to-all": (10.0, 0.0), "all-gather": (20.0, 10.0),
-                     "reduce-scatter": (30.0, 20.0)}
-    assert list(map(profiling.collective_kind, events[:5])) == [
-        None, "all-gather", "reduce-scatter", "all-to-all", None]
+                     "reduce-scatter": (30.0, 20.0), "other": (4.0, 4.0)}
+    assert list(map(profiling.collective_kind, events[:6])) == [
+        None, "all-gather", "reduce-scatter", "all-to-all", None, "other"]
     lines = profiling.account(events, calls=2, device=gpu)
-    assert lines[0] == (f"{gpu}, ms per step: kernels busy 75.0 (communication 30.0, gemm "
+    assert lines[0] == (f"{gpu}, ms per step: kernels busy 77.0 (communication 32.0, gemm "
                         "50.0, attention 0.0, movement 0.0, other 10.0); communication "
-                        "exposed 15.0")
+                        "exposed 17.0")
     assert lines[1] == ("  collectives: all-to-all 5.0 (exposed 0.0), all-gather 10.0 "
-                        "(exposed 5.0), reduce-scatter 15.0 (exposed 10.0)")
+                        "(exposed 5.0), reduce-scatter 15.0 (exposed 10.0), other 2.0 "
+                        "(exposed 2.0)")
     assert lines[2] == "  sm90_xmma_gemm_bf16 [gemm] 50.00"
     assert profiling.account([], calls=3) == []

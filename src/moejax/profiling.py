@@ -164,14 +164,15 @@ def exposed_share(events: list[KernelEvent], pattern: re.Pattern = ALL_TO_ALL
 
 
 def collective_kind(event: KernelEvent) -> str | None:
-    """Which of ``COLLECTIVES`` a kernel runs, or None for a compute kernel."""
+    """Which of ``COLLECTIVES`` a kernel runs ("other" where neither its HLO op nor its name
+    says), or None for a compute kernel."""
     if event.category != "communication":
         return None
     for text in (event.hlo_op, event.name):
         for kind, pattern in COLLECTIVES:
             if text and pattern.search(text):
                 return kind
-    return "send/recv"
+    return "other"
 
 
 class CollectiveTime(NamedTuple):
@@ -193,7 +194,7 @@ def collective_time(events: list[KernelEvent], device: str) -> dict[str, Collect
             spans[kind].append((e.start_us, e.start_us + e.dur_us))
     return {kind: CollectiveTime(_union_us(spans[kind]) / 1e3,
                                  _exposed_us(spans[kind], compute) / 1e3)
-            for kind, _ in COLLECTIVES if spans[kind]}
+            for kind in [k for k, _ in COLLECTIVES] + ["other"] if spans[kind]}
 
 
 def top_kernels(events: list[KernelEvent], count: int = 15) -> list[tuple[str, str, float]]:
