@@ -35,7 +35,7 @@ CASES = [(name, MeshSpec(pipe=2, data=2, expert=2)) for name in SCHEDULES] + [
     ("dualpipe", MeshSpec(pipe=4, expert=2)), ("dualpipev", MeshSpec(pipe=4, data=2)),
     # One rank: DualPipeV's two stages pair one micro-batch's forward with another's
     # backward around the expert exchange, with no stage to send to.
-    ("dualpipev", MeshSpec(pipe=1, data=2, expert=4)), ("1f1b", MeshSpec(pipe=1, data=8))]
+    ("dualpipev", MeshSpec(pipe=1, data=2, expert=4))]
 
 def _config():
     """Nine layers: one dense block (stored padded to pipe rows, ``storage.pad_stacks``)
