@@ -63,13 +63,13 @@ def _loop_bodies(hlo: str) -> list[str]:
     return [b for b in blocks for n in names if re.match(rf"%?{re.escape(n)}[ (]", b)]
 
 
-@pytest.mark.parametrize("layout,hidden", [("data=4", 32), ("data=2,expert=2", 30)])
-def test_split_batch_scans_per_device_and_reduces_once(layout, hidden):
+@pytest.mark.parametrize("layout", ["data=4", "data=2,expert=2"])
+def test_split_batch_scans_per_device_and_reduces_once(layout):
     """A batch split over ``data`` (and ``expert``), the kernel split over ``data`` as
     ZeRO-3 splits it: loss and gradients still match float64, and no collective sits in
     the chunk loop (the partitioner had gathered the kernel and reduce-scattered dW in
-    every chunk). H = 30 does not split over 4 devices: dW is summed whole there."""
-    h, kernel, labels = _problem(8, 24, hidden, 300, jnp.float32)
+    every chunk)."""
+    h, kernel, labels = _problem(8, 24, 32, 300, jnp.float32)
     mesh = build_mesh(MeshSpec.parse(layout), jax.devices()[:4])
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
     batch_axes = ("data", "expert") if "expert" in layout else ("data",)
