@@ -3,7 +3,8 @@
 With no data flags it trains on the embedded corpus (the Python standard library's
 source, byte-level). Metrics go to RUN_DIR/metrics.jsonl (one JSON object per step) and a
 progress line to stdout; checkpoints to RUN_DIR/checkpoints (Orbax). Bad input gives one
-line on stderr and exit status 2; a run stopped by a non-finite loss exits with status 3.
+line on stderr and exit status 2; a run stopped by a non-finite loss exits with status 3,
+one out of device memory with status 4.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import argparse
 import dataclasses
 import pathlib
 import sys
+
+import jax
 
 from moejax.config import ConfigError
 from moejax.data.shards import DataError
@@ -70,6 +73,10 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
     cfg = apply_overrides(get_experiment_preset(args.preset), overrides)
     if args.mesh:
         cfg = dataclasses.replace(cfg, mesh=MeshSpec.parse(args.mesh))
+    for flag, value in (("--schedule", args.schedule), ("--microbatches", args.microbatches)):
+        if value is not None and cfg.mesh.pipe == 1:  # else ignored without a word
+            raise ConfigError(f"{flag} {value}: applies to a pipelined run, and --mesh "
+                              f"{cfg.mesh} has no pipe axis; add pipe=P>1 to --mesh")
     return cfg
 
 
@@ -88,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except jax.errors.JaxRuntimeError as e:
+        if not str(e).startswith("RESOURCE_EXHAUSTED"):
+            raise
+        print(f"error: out of device memory: {str(e).splitlines()[0].split(' [')[0]}\n"
+              "  The trainer's memory check is an estimate (python -m moejax.budget prints "
+              "it; docs/memory.md): lower train.batch_size or raise train.remat (selective, "
+              "full). Where a large block fails with memory free (fragmentation), XLA "
+              "suggests TF_GPU_ALLOCATOR=cuda_malloc_async.", file=sys.stderr)
+        return 4
     return 0
 
 

@@ -113,11 +113,38 @@ def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_state(env, t
     (["--mesh", "pipe=2,data=4", "--schedule", "dualpipev", "--microbatches", "2"],
      "train.microbatches=2"),
     (["--coordinator", "localhost:1"], "needs --num-processes and --process-id"),
+    (["--mesh", "data=8", "--schedule", "dualpipe"],  # not silently a whole-batch run
+     "--schedule dualpipe: applies to a pipelined run"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_out_of_device_memory_is_named_with_what_to_change(monkeypatch, tmp_path, capsys):
+    """An allocator failure (4 x H100, session 38: a 20.83 GiB temp block on a fragmented
+    heap) ends with what failed and what to change, and exit status 4; any other runtime
+    error keeps its traceback."""
+    import jax
+    from experiments import train
+
+    def fail(message):
+        def run(self):
+            raise jax.errors.JaxRuntimeError(message)
+        return run
+
+    monkeypatch.setattr(train.Trainer, "run", fail(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 20.83GiB with allocator "
+        "GPU_0_bfc on device 0. [executable_name='jit_train_step']\nmore"))
+    assert main([*SMALL, "--run-dir", str(tmp_path)]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of device memory: RESOURCE_EXHAUSTED: Out of memory "
+                          "while trying to allocate 20.83GiB with allocator GPU_0_bfc on "
+                          "device 0.\n") and "train.remat" in err
+    monkeypatch.setattr(train.Trainer, "run", fail("INTERNAL: something else"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        main([*SMALL, "--run-dir", str(tmp_path / "other")])
 
 
 def test_run_dir_of_another_config_is_refused_and_left_intact(straight, capsys):
