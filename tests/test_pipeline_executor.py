@@ -1,8 +1,8 @@
 """The pipeline executor against the whole-batch step: same loss, gradients and counts.
 
 Oracle: ``jax.value_and_grad`` of the unpipelined model on one device (float32), on random
-tokens and random router biases. The executor runs every schedule on P=2 and P=4 pipe
-ranks with a data or expert axis alongside (8 simulated devices), and on one rank.
+tokens and random router biases. The executor runs every schedule on P=2 pipe ranks and
+most on P=4, with a data or expert axis alongside (8 simulated devices), and on one rank.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from moejax.parallel.sharding import batch_sharding, state_shardings
 
 MTP_LAMBDA = 0.3
 BATCH, SEQ = 16, 8
-# Every schedule on P=2 and P=4, each with data and/or expert axes alongside.
+# Every schedule on P=2 with data and expert axes; all but GPipe on P=4 (its P=4 case,
+# 34 s, gave way to the one-rank case: the CPU suite stays under 15 minutes).
 CASES = [(name, MeshSpec(pipe=2, data=2, expert=2)) for name in SCHEDULES] + [
-    ("gpipe", MeshSpec(pipe=4, data=2)), ("1f1b", MeshSpec(pipe=4, expert=2)),
+    ("1f1b", MeshSpec(pipe=4, expert=2)),
     ("dualpipe", MeshSpec(pipe=4, expert=2)), ("dualpipev", MeshSpec(pipe=4, data=2)),
     # One rank: DualPipeV's two stages pair one micro-batch's forward with another's
     # backward around the expert exchange, with no stage to send to.
