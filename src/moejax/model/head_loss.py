@@ -117,19 +117,18 @@ def _scan_per_device(h: jax.Array, kernel: jax.Array, labels: jax.Array, positio
                      axes: tuple[str, ...], with_grads: bool):
     """``_scan`` where the batch is split over the mesh ``axes`` (none: as is): each device
     scans its own rows, then the means (loss, dW) are averaged across the devices and each
-    row's dh scaled to the global mean (equal shards: ``check_batch_divides``). dW leaves
+    row's dh scaled to the global mean (equal shards: ``head_cross_entropy`` checked). dW leaves
     whole: a reduce-scatter along H (half the bytes) gave the pipeline executor's ticks a
     gradient layout unlike its init's, which compiles the tick range twice (session 37)."""
     if not axes:
         return _scan(h, kernel, labels, positions, with_grads)
-    shards = check_batch_divides(h.shape[0], axes)
 
     def body(h, kernel, labels):
         out = _scan(h, mark_varying(kernel, axes), labels, positions, with_grads)
         if not with_grads:
             return jax.lax.pmean(out, axes)
         loss, dh, dw = out
-        return jax.lax.pmean(loss, axes), dh / shards, jax.lax.pmean(dw, axes)
+        return jax.lax.pmean(loss, axes), dh / jax.lax.psum(1, axes), jax.lax.pmean(dw, axes)
 
     rows = P(axes)
     out_specs = (P(), rows, P()) if with_grads else P()
