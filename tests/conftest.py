@@ -5,15 +5,26 @@ Without a GPU, XLA:CPU's LLVM backend also runs unoptimised: the suite is mostly
 time (sharded train steps, pipeline executors on tiny shapes), which this cuts by a sixth;
 the float ops are the same (no fast-math either way) and these tests check values, not
 speed.
+
+Many tests compile the same step (the train CLI's runs against their one-device
+reference, a resumed run against its first half), so the session shares JAX's persistent
+compilation cache: one folder per test session, made here (xdist's workers and the CLI
+subprocesses inherit it) and removed when the session's first process exits.
 """
 
+import atexit
 import os
 import shutil
+import tempfile
 
 _CPU_FLAGS = "--xla_force_host_platform_device_count=8"
 if shutil.which("nvidia-smi") is None:
     _CPU_FLAGS += " --xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", _CPU_FLAGS)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="moejax-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import jax  # noqa: E402  (XLA_FLAGS must be set before jax initialises)
 import pytest  # noqa: E402
