@@ -1,5 +1,7 @@
 """Expert-parallel MoE over simulated CPU devices equals the single-device layer."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +106,21 @@ def test_transport_matches_single_device(moe, axes, piece_bytes, transport, monk
     np.testing.assert_array_equal(got_counts, ref_counts)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_ragged_backward_sends_no_offsets(moe):
+    """Each ragged exchange's transpose is the exchange the other way on the layer's own
+    plan (``expert.ragged_move``). The lowered gradient of the layer holds its six ragged
+    exchanges (rows, router weights and expert outputs, each way) and no all_to_all. JAX's
+    own transpose adds two per backward exchange, to send the offsets (six here). The
+    gradients' values are checked in ``test_transport_matches_single_device``."""
+    x, bias = _inputs(3)
+    with jax.set_mesh(_mesh(data=2, expert=4)), expert_parallel_options(
+            ExpertParallelOptions(transport="ragged")):
+        text = nnx.jit(nnx.grad(lambda m, a: jnp.sum(m(a, bias).y ** 2), argnums=(0, 1))
+                       ).lower(moe, x).as_text()
+    assert len(re.findall(r"ragged_all_to_all", text)) == 6
+    assert not re.findall(r"(?<!ragged_)all_to_all", text)
 
 
 def test_ragged_plan_lands_slices_expert_major():

@@ -352,10 +352,20 @@ class _Ragged(_Transport):
         most = max(1, RAGGED_MAX_PIECES_PER_PEER * self.ep // self.num_experts)
         return min(most, max(1, math.ceil(slice_bytes / self.piece_bytes)))
 
-    def move(self, rows: jax.Array, output: jax.Array, starts: jax.Array, sizes: jax.Array,
-             lands: jax.Array, recv_sizes: jax.Array) -> jax.Array:
-        """``ragged_all_to_all`` of the slices (``starts``, ``sizes``) of ``rows`` to
-        ``lands`` on their receivers, each slice cut into ``pieces`` of its row size."""
+    def move(self, rows: jax.Array, plan: RaggedPlan, back: bool) -> jax.Array:
+        """``ragged_all_to_all`` of ``rows`` along ``plan``: each (device, expert) slice
+        out to where it lands on the expert's device, or ``back`` to where it came from,
+        each slice cut into ``pieces`` of its row size. Received rows fill a zero buffer."""
+        if back:
+            out_rows, starts, sizes, lands, recv_sizes = (
+                self.num_rows, plan.recv_offsets, plan.recv_sizes, plan.return_offsets,
+                plan.send_sizes)
+        else:
+            out_rows, starts, sizes, lands, recv_sizes = (
+                self.recv_rows, plan.send_offsets, plan.send_sizes, plan.land_offsets,
+                plan.recv_sizes)
+        output = varying_over(jnp.zeros((out_rows, *rows.shape[1:]), rows.dtype),
+                              self.batch_axes)
         pieces = self.pieces(math.prod(rows.shape[1:]) * rows.dtype.itemsize)
         within, piece_sizes = cut_into_pieces(sizes, pieces)
         return jax.lax.ragged_all_to_all(
@@ -373,10 +383,7 @@ class _Ragged(_Transport):
 
     def exchange(self, rows: jax.Array, labels: None, plan: RaggedPlan
                  ) -> tuple[jax.Array, None]:
-        buffer = varying_over(jnp.zeros((self.recv_rows, *rows.shape[1:]), rows.dtype),
-                              self.batch_axes)
-        return self.move(rows, buffer, plan.send_offsets, plan.send_sizes, plan.land_offsets,
-                         plan.recv_sizes), None
+        return ragged_move(self, rows, plan, False), None
 
     def arrange(self, tokens: jax.Array, labels: None, plan: RaggedPlan, dropped: jax.Array
                 ) -> Received:
@@ -395,12 +402,34 @@ class _Ragged(_Transport):
         return y
 
     def exchange_back(self, y: jax.Array, plan: RaggedPlan) -> jax.Array:
-        output = varying_over(jnp.zeros((self.num_rows, y.shape[1]), y.dtype), self.batch_axes)
-        return self.move(y, output, plan.recv_offsets, plan.recv_sizes, plan.return_offsets,
-                         plan.send_sizes)
+        return ragged_move(self, y, plan, True)
 
     def finish(self, back: jax.Array, plan: RaggedPlan) -> jax.Array:
         return back
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def ragged_move(transport: _Ragged, rows: jax.Array, plan: RaggedPlan, back: bool) -> jax.Array:
+    """``transport.move``, whose transpose is the move the other way on the same plan.
+
+    JAX's own transpose of ``ragged_all_to_all`` first sends both offset arrays to the
+    receivers, with two ``all_to_all``s, in every backward exchange. On 4 x H200 that was 72
+    NCCL ``SendRecv`` kernels, 13 ms of a 188 ms ``small`` step (docs/performance.md,
+    Expert parallelism, session 39). The plan already holds both views. It is computed once
+    per layer, from one all_gather of the counts.
+    """
+    return transport.move(rows, plan, back)
+
+
+def _ragged_move_fwd(transport, rows, plan, back):
+    return transport.move(rows, plan, back), plan
+
+
+def _ragged_move_bwd(transport, back, plan, g):
+    return transport.move(g, plan, not back), None
+
+
+ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
 
 
 # (rows, group_sizes, weights, rows' FP8 quantization or None, rows' router weights)
