@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from moejax.train.config import apply_overrides, get_experiment_preset
-from moejax.train.step import make_train_step, state_initializer
+from moejax.train.metrics import progress_line
+from moejax.train.step import load_balance, make_train_step, state_initializer
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +61,21 @@ def test_step_losses_bias_update_and_nonfinite_rollback(setup):
     same = jax.tree.map(lambda a, b: np.array_equal(a, b, equal_nan=True),
                         before._replace(step=None), after._replace(step=None))
     assert all(jax.tree.leaves(same))
+
+
+def test_load_balance_per_expert_and_per_expert_device():
+    """Per expert (L, E) and, with the experts split over devices, per device: the
+    consecutive E/ep experts each device holds, summed, max over mean per layer."""
+    counts = np.random.default_rng(0).integers(0, 50, (3, 16)).astype(np.float64)
+    m = load_balance(jnp.asarray(counts, jnp.int32), expert_devices=4)
+    per_expert = counts.max(-1) / counts.mean(-1)
+    np.testing.assert_allclose(m["expert_load_max_over_mean"], per_expert.mean(), rtol=1e-6)
+    np.testing.assert_allclose(m["expert_load_worst"], per_expert.max(), rtol=1e-6)
+    per_device = np.stack([counts[:, d * 4:(d + 1) * 4].sum(-1) for d in range(4)], -1)
+    np.testing.assert_allclose(m["expert_device_load_max_over_mean"],
+                               (per_device.max(-1) / per_device.mean(-1)).mean(), rtol=1e-6)
+    assert "expert_device_load_max_over_mean" not in load_balance(jnp.asarray(counts))
+    line = progress_line({"step": 1, "loss": 1.0, "mtp_loss": 1.0, "grad_norm": 1.0, "lr": 1e-3,
+                          "tokens_per_s": 1.0, "step_time_s": 0.1, "mfu": None,
+                          **{k: float(v) for k, v in m.items()}})
+    assert f"device load max/mean {float(m['expert_device_load_max_over_mean']):.2f}" in line

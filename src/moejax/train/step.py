@@ -92,11 +92,24 @@ def state_initializer(cfg: ExperimentConfig, pipe: int | None = None
     return graphdef, init
 
 
-def load_balance(counts: jax.Array) -> dict[str, jax.Array]:
-    """Max over mean tokens per expert: per MoE layer, then averaged and worst over layers."""
+def _max_over_mean(counts: jax.Array) -> jax.Array:
+    return counts.max(-1) / jnp.maximum(counts.mean(-1), 1e-9)
+
+
+def load_balance(counts: jax.Array, expert_devices: int = 1) -> dict[str, jax.Array]:
+    """Max over mean tokens per expert (L, E): per MoE layer, then averaged and worst over
+    layers. With the experts split over ``expert_devices`` (E/ep consecutive experts on
+    each), also max over mean tokens per device, averaged over layers. Every exchange
+    waits for the busiest device, so that ratio, not the per-expert one, is what an
+    expert-parallel step pays for: on 4 x H100, dropping 9.4 ms of exchange kernels from a
+    `small` step moved the same time into the exchanges' barrier waits (session 39)."""
     counts = counts.astype(jnp.float32)
-    ratio = counts.max(-1) / jnp.maximum(counts.mean(-1), 1e-9)
-    return {"expert_load_max_over_mean": ratio.mean(), "expert_load_worst": ratio.max()}
+    ratio = _max_over_mean(counts)
+    balance = {"expert_load_max_over_mean": ratio.mean(), "expert_load_worst": ratio.max()}
+    if expert_devices > 1:
+        per_device = counts.reshape(*counts.shape[:-1], expert_devices, -1).sum(-1)
+        balance["expert_device_load_max_over_mean"] = _max_over_mean(per_device).mean()
+    return balance
 
 
 # (params, biases, tokens) -> ((total, (main, mtp, out)), grads); ``out`` needs the
@@ -162,7 +175,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
                    "total_loss": total, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "finite": finite, "dropped_tokens": out.dropped_tokens,
                    "cross_node_tokens": out.cross_node_tokens,
-                   **load_balance(out.expert_counts)}
+                   **load_balance(out.expert_counts, cfg.mesh.expert)}
         return new, metrics
 
     in_shardings = (state_shardings, batch_sharding) + ((None,) if latched else ())
