@@ -414,9 +414,11 @@ def ragged_move(transport: _Ragged, rows: jax.Array, plan: RaggedPlan, back: boo
 
     JAX's own transpose of ``ragged_all_to_all`` first sends both offset arrays to the
     receivers, with two ``all_to_all``s, in every backward exchange. On 4 x H200 that was 72
-    NCCL ``SendRecv`` kernels, 13 ms of a 188 ms ``small`` step (docs/performance.md,
-    Expert parallelism, session 39). The plan already holds both views. It is computed once
-    per layer, from one all_gather of the counts.
+    NCCL ``SendRecv`` kernels, 13 ms of a 188 ms ``small`` step. The plan already holds
+    both views. It is computed once per layer, from one all_gather of the counts. (In that
+    measurement the router had collapsed onto a few experts, and the time saved went into
+    waiting for the busiest device: the step did not shorten. docs/performance.md, Expert
+    parallelism, session 39.)
     """
     return transport.move(rows, plan, back)
 
