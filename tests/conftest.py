@@ -36,9 +36,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     on_gpu, mosaic = jax.default_backend() == "gpu", mosaic_common.available()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
     skip_mosaic = pytest.mark.skip(reason="needs a Hopper GPU and jax >= 0.11 (Mosaic GPU)")
-    # The longest tests first: with -n 2, one of them started last would leave the other
-    # worker idle while it runs (a stable sort keeps the rest in file order).
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     for item in items:
         if not on_gpu and "gpu" in item.keywords:
             item.add_marker(skip_gpu)

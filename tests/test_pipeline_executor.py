@@ -74,7 +74,6 @@ def _max_relative_error(expected, actual) -> float:
     return max(jax.tree.leaves(errors))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name,spec", CASES, ids=[f"{n}-{m}" for n, m in CASES])
 def test_executor_matches_whole_batch_step(problem, name, spec):
     config, graphdef, params, biases, tokens, (total, main, mtp, aux, counts), grads = problem
@@ -102,7 +101,6 @@ def test_executor_matches_whole_batch_step(problem, name, spec):
                                                for g in padding)
 
 
-@pytest.mark.slow
 def test_executor_with_fp8_tokens_matches_the_sharded_step(problem):
     """FP8 token transport: DualPipe's F&B ticks pair pieces whose dispatch sends FP8 rows;
     the oracle is the unpipelined step on the same expert mesh with the same FP8 tokens.
@@ -201,7 +199,6 @@ def test_study_measures_the_executor(capsys, tmp_path):
     assert "not run" in next(line for line in lines if line.startswith("gpipe "))
 
 
-@pytest.mark.slow
 def test_timed_step_chain_equals_the_step_and_compiles_the_tick_range_once(monkeypatch):
     """The timing chain (held rows, init, a tick range run tick by tick, finish) gives the
     jitted step's loss and gradients, and one time per tick. init lays out the buffers and

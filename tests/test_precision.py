@@ -389,7 +389,6 @@ def test_fit_cache_resumes_a_search_without_compiling(tmp_path, monkeypatch, cap
     assert len(compiled) == 4 and "batch 50\n" in capsys.readouterr().out and "batch 50" in first
 
 
-@pytest.mark.slow
 def test_study_reports_held_out_loss_on_text_it_never_trained_on(capsys):
     """The held-out windows come from text after every training window, and both
     precisions report their mean loss on them at the requested steps and at the end."""

@@ -17,8 +17,6 @@ import pytest
 
 from experiments import train
 
-pytestmark = pytest.mark.slow
-
 COMMON = ["--preset", "tiny", "--set", "model.num_hidden_layers=9", "--set", "train.seq_len=16",
           "--set", "train.batch_size=16", "--set", "train.warmup_steps=0",
           "--set", "train.schedule_steps=3",  # the same LR per step whatever --steps says
