@@ -49,6 +49,10 @@ COLLECTIVES = (
     ("send/recv", re.compile(r"collective-permute|ppermute|sendrecv|send|recv", re.I)),
 )
 
+# The kind of a communication kernel that none of COLLECTIVES names.
+UNLISTED = "other"
+COLLECTIVE_KINDS = (*(kind for kind, _ in COLLECTIVES), UNLISTED)
+
 
 class KernelEvent(NamedTuple):
     device: str  # the trace's process name, e.g. "/device:GPU:0"
@@ -164,15 +168,15 @@ def exposed_share(events: list[KernelEvent], pattern: re.Pattern = ALL_TO_ALL
 
 
 def collective_kind(event: KernelEvent) -> str | None:
-    """Which of ``COLLECTIVES`` a kernel runs ("other" where neither its HLO op nor its name
-    says), or None for a compute kernel."""
+    """Which of ``COLLECTIVES`` a kernel runs (``UNLISTED`` where neither its HLO op nor its
+    name says), or None for a compute kernel."""
     if event.category != "communication":
         return None
     for text in (event.hlo_op, event.name):
         for kind, pattern in COLLECTIVES:
             if text and pattern.search(text):
                 return kind
-    return "other"
+    return UNLISTED
 
 
 class CollectiveTime(NamedTuple):
@@ -194,7 +198,7 @@ def collective_time(events: list[KernelEvent], device: str) -> dict[str, Collect
             spans[kind].append((e.start_us, e.start_us + e.dur_us))
     return {kind: CollectiveTime(_union_us(spans[kind]) / 1e3,
                                  _exposed_us(spans[kind], compute) / 1e3)
-            for kind in [k for k, _ in COLLECTIVES] + ["other"] if spans[kind]}
+            for kind in COLLECTIVE_KINDS if spans[kind]}
 
 
 def top_kernels(events: list[KernelEvent], count: int = 15) -> list[tuple[str, str, float]]:
