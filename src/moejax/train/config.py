@@ -232,7 +232,9 @@ TRAIN_PRESETS: dict[str, ExperimentConfig] = {
                           bias_update_rate=1e-2,  # balance visibly within a short run
                           eval_every=50, log_every=10),
         checkpoint=CheckpointConfig(every=50)),
-    # The first GPU baseline: one H100, byte-level embedded corpus.
+    # The first GPU baseline: one H100, byte-level embedded corpus. The router bias keeps
+    # DeepSeek-V3's rate: 1e-2 balanced the experts sooner but cost 3-9% of held-out loss
+    # at step 200 (docs/performance.md, Expert parallelism, session 40).
     "small": ExperimentConfig(
         model=MODEL_PRESETS["small"],
         train=TrainConfig(steps=200, batch_size=16, seq_len=1024, lr=1e-3, warmup_steps=20,
