@@ -364,8 +364,8 @@ class _Ragged(_Transport):
             out_rows, starts, sizes, lands, recv_sizes = (
                 self.recv_rows, plan.send_offsets, plan.send_sizes, plan.land_offsets,
                 plan.recv_sizes)
-        output = varying_over(jnp.zeros((out_rows, *rows.shape[1:]), rows.dtype),
-                              self.batch_axes)
+        rows, output = _zeros_after(rows, out_rows)
+        output = varying_over(output, self.batch_axes)
         pieces = self.pieces(math.prod(rows.shape[1:]) * rows.dtype.itemsize)
         within, piece_sizes = cut_into_pieces(sizes, pieces)
         return jax.lax.ragged_all_to_all(
@@ -406,6 +406,16 @@ class _Ragged(_Transport):
 
     def finish(self, back: jax.Array, plan: RaggedPlan) -> jax.Array:
         return back
+
+
+def _zeros_after(rows: jax.Array, out_rows: int) -> tuple[jax.Array, jax.Array]:
+    """``rows`` and a zero buffer of ``out_rows`` rows like them, made only once ``rows``
+    exist. A constant zero buffer has no inputs, so XLA fused every exchange's buffers,
+    the backward's too, into one kernel at the start of the step: on `small` with
+    expert=4, 480 MiB a MoE layer held from the forward to the backward (5.6 GiB of a
+    32.6 GiB step; docs/performance.md, Expert parallelism, session 40)."""
+    zero, rows = jax.lax.optimization_barrier((jnp.zeros((), rows.dtype), rows))
+    return rows, jnp.broadcast_to(zero, (out_rows, *rows.shape[1:]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
