@@ -412,8 +412,8 @@ def _zeros_after(rows: jax.Array, out_rows: int) -> tuple[jax.Array, jax.Array]:
     """``rows`` and a zero buffer of ``out_rows`` rows like them, made only once ``rows``
     exist. A constant zero buffer has no inputs, so XLA fused every exchange's buffers,
     the backward's too, into one kernel at the start of the step: on `small` with
-    expert=4, 480 MiB a MoE layer held from the forward to the backward (5.6 GiB of a
-    32.6 GiB step; docs/performance.md, Expert parallelism, session 40)."""
+    expert=4, 480 MiB a MoE layer held from the forward to the backward (the step's
+    peak fell 32.55 -> 27.39 GiB; docs/performance.md, Expert parallelism, session 40)."""
     zero, rows = jax.lax.optimization_barrier((jnp.zeros((), rows.dtype), rows))
     return rows, jnp.broadcast_to(zero, (out_rows, *rows.shape[1:]))
 
