@@ -1,6 +1,8 @@
 """The training loop reads each step's metrics while the device runs the next step; a
 non-finite step must still stop the run on its last good state, as a loop that waits on
-every step would."""
+every step would. Where it waits on a checkpoint's write, it says so."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -131,3 +133,43 @@ def test_profile_window_must_fit_the_run(tmp_path):
                      trace=loop.StepTrace(tmp_path / "trace", steps=3))
     with pytest.raises(loop.ConfigError, match="--profile-steps 0: must be a positive"):
         loop.StepTrace(tmp_path, steps=0)
+
+
+class _WritingManager:
+    """An Orbax manager whose every save is still writing until someone waits for it."""
+
+    def __init__(self):
+        self.writing = None
+
+    def save(self, step, args, force):
+        self.writing = step
+
+    def is_saving_in_progress(self) -> bool:
+        return self.writing is not None
+
+    def wait_until_finished(self) -> None:
+        self.writing = None
+
+    def close(self) -> None:
+        assert self.writing is None, "closed while a save was writing"
+
+
+def test_checkpointer_says_when_it_waits_for_a_write(tmp_path):
+    """A save that finds the previous one still writing, and the run's end, each wait for
+    it and say which step they wait for and when it is written."""
+    heard = []
+    cfg = _config(steps=4, every=2)
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, heard.append)
+    ckpt._manager.close()
+    ckpt._manager = _WritingManager()
+    state = {"w": jnp.ones(3)}
+    ckpt.save(2, state, {})
+    assert heard == []  # nothing was writing yet
+    ckpt.save(4, state, {})
+    ckpt.close()
+    where = tmp_path.absolute() / "checkpoints"
+    assert [re.sub(r"[\d.]+ s after", "T s after", line) for line in heard] == [
+        f"checkpoint: the save of step 4 waits for step 2's write to {where}",
+        "checkpoint: step 2 written T s after its save began",
+        f"checkpoint: the end of the run waits for step 4's write to {where}",
+        "checkpoint: step 4 written T s after its save began"], heard

@@ -15,7 +15,7 @@ import json
 import os
 import pathlib
 import time
-from typing import Any
+from typing import Any, Callable
 
 import orbax.checkpoint as ocp
 from etils import epath
@@ -97,13 +97,30 @@ def check_config(run_dir: pathlib.Path, config: dict) -> None:
 class Checkpointer:
     """An Orbax CheckpointManager over ``RUN_DIR/checkpoints`` keeping the last K steps."""
 
-    def __init__(self, run_dir: pathlib.Path, cfg: CheckpointConfig):
+    def __init__(self, run_dir: pathlib.Path, cfg: CheckpointConfig,
+                 progress: Callable[[str], None] = lambda message: None):
+        """``progress`` hears of every wait on a write in flight: a large state takes
+        minutes to write (`small`'s 22 GB of FP32 parameters and Adam moments), and the
+        run would otherwise sit silent at its end."""
         self.directory = pathlib.Path(run_dir).absolute() / "checkpoints"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
             cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._pause_at = int(os.environ.get(PAUSE_ENV, "-1"))
+        self._progress = progress
+        self._writing: tuple[int, float] | None = None  # the last save: step, start time
+
+    def _await_write(self, why: str) -> None:
+        """Waits for the save in flight, if any, saying so before and after."""
+        if self._writing is not None and self._manager.is_saving_in_progress():
+            step, began = self._writing
+            self._progress(f"checkpoint: {why} waits for step {step}'s write to "
+                           f"{self.directory}")
+            self._manager.wait_until_finished()
+            self._progress(f"checkpoint: step {step} written "
+                           f"{time.perf_counter() - began:.1f} s after its save began")
+        self._manager.wait_until_finished()
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -115,6 +132,8 @@ class Checkpointer:
             items["ema"] = ocp.args.StandardSave(ema)
         if step == self._pause_at:
             items["pause"] = _PauseSave()
+        self._await_write(f"the save of step {step}")
+        self._writing = (step, time.perf_counter())
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def restore(self, step: int, abstract_state: Any,
@@ -136,5 +155,5 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for any save in flight, then releases the manager."""
-        self._manager.wait_until_finished()
+        self._await_write("the end of the run")
         self._manager.close()

@@ -160,7 +160,7 @@ class Trainer:
                               f"{self.data_info.tokenizer} tokenizer ({self.shard_dir})")
         if trace and not resume:  # a fresh run starts at 0: refuse before Orbax's threads
             trace.window(0, cfg.train.steps)
-        self.ckpt = Checkpointer(self.run_dir, cfg.checkpoint)
+        self.ckpt = Checkpointer(self.run_dir, cfg.checkpoint, self.log)
         self.resume_step = self.ckpt.latest_step()
         if self.resume_step is not None and not resume:
             raise ConfigError(f"run dir {self.run_dir} already holds checkpoints (latest step "
