@@ -208,17 +208,17 @@ def test_expert_parallel_keep_per_moe_layer_is_the_ep_steps_own():
 @pytest.mark.gpu
 def test_gpu_ragged_keep_per_moe_layer_is_not_above_the_probes():
     """On every GPU of the host (>= 2) as one expert axis, ragged transport: the real step
-    keeps per MoE layer at most 10% more than the budget's probe says, so the budget does
-    not read low (the trainer refuses a batch on it). On 4 x H100 these shapes read 15.31
-    MiB real against 17.67 probed (session 40); before ``expert._zeros_after`` the real
-    step kept 18.34, and on `small` 52% more than its probe."""
+    keeps per MoE layer no more than the budget's probe says, so the budget does not read
+    low (the trainer refuses a batch on it). On 4 x H100 these shapes read 15.31 MiB real
+    against 17.67 probed (session 40); before ``expert._zeros_after`` the real step kept
+    18.34, and on `small` 52% more than its probe."""
     import jax
 
     if jax.device_count() < 2:
         pytest.skip("needs at least 2 GPUs")
     probed, real = _probed_and_real_keep(MeshSpec(expert=jax.device_count()),
                                          "expert_parallel.transport=ragged")
-    assert real <= 1.10 * probed, (probed, real)
+    assert real <= probed, (probed, real)
 
 
 def _param_shardings(abstract, cfg, spec):

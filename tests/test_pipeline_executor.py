@@ -43,8 +43,9 @@ CASES = [(name, MeshSpec(pipe=2, data=2, expert=2)) for name in ("gpipe", "dualp
     ("dualpipev", MeshSpec(pipe=1, data=2, expert=4))]
 
 def _config(layers: int = 9):
-    """Nine layers: one dense block (stored padded to pipe rows, ``storage.pad_stacks``)
-    and eight MoE blocks (split over pipe=2 and pipe=4), in stages of uneven size."""
+    """Nine layers by default: one dense block (stored padded to pipe rows,
+    ``storage.pad_stacks``) and eight MoE blocks (split over pipe=2 and pipe=4), in stages
+    of uneven size."""
     return dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=layers)
 
 

@@ -159,6 +159,7 @@ def test_checkpointer_says_when_it_waits_for_a_write(tmp_path):
     it and say which step they wait for and when it is written."""
     heard = []
     cfg = _config(steps=4, every=2)
+    assert cfg.checkpoint.async_save
     ckpt = Checkpointer(tmp_path, cfg.checkpoint, heard.append)
     ckpt._manager.close()
     ckpt._manager = _WritingManager()
@@ -173,3 +174,16 @@ def test_checkpointer_says_when_it_waits_for_a_write(tmp_path):
         "checkpoint: step 2 written T s after its save began",
         f"checkpoint: the end of the run waits for step 4's write to {where}",
         "checkpoint: step 4 written T s after its save began"], heard
+
+
+def test_synchronous_saves_say_how_long_each_write_took(tmp_path):
+    """A synchronous save blocks the run for the whole write: each one reports its time."""
+    heard = []
+    cfg = apply_overrides(_config(steps=4, every=2), ["checkpoint.async_save=false"])
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, heard.append)
+    ckpt.save(2, {"w": jnp.ones(3)}, {})
+    ckpt.close()
+    where = tmp_path.absolute() / "checkpoints"
+    assert [re.sub(r"in [\d.]+ s$", "in T s", line) for line in heard] == [
+        f"checkpoint: step 2 written to {where} in T s"], heard
+    assert (where / "2").is_dir()

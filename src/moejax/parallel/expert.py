@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from pallas_kernels.quantize import from_residual
-from pallas_kernels.varying import mark_varying
+from pallas_kernels.varying import mark_varying, varying_union
 from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import dispatch, sorted_weights, sum_copies
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
@@ -414,7 +414,8 @@ def _zeros_after(rows: jax.Array, out_rows: int) -> tuple[jax.Array, jax.Array]:
     the backward's too, into one kernel at the start of the step: on `small` with
     expert=4, 480 MiB a MoE layer held from the forward to the backward (the step's
     peak fell 32.55 -> 27.39 GiB; docs/performance.md, Expert parallelism, session 40)."""
-    zero, rows = jax.lax.optimization_barrier((jnp.zeros((), rows.dtype), rows))
+    zero = mark_varying(jnp.zeros((), rows.dtype), varying_union((rows,)))  # types match
+    zero, rows = jax.lax.optimization_barrier((zero, rows))
     return rows, jnp.broadcast_to(zero, (out_rows, *rows.shape[1:]))
 
 
