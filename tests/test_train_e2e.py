@@ -7,6 +7,7 @@ import glob
 import os
 import pathlib
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 
 from experiments.train import main
 from moejax.train.checkpoint import PAUSE_ENV
-from moejax.train.metrics import read_metrics
+from moejax.train.metrics import DEVICE_LOAD, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["--preset", "tiny", "--set", "model.num_hidden_layers=2", "--set", "train.seq_len=32",
@@ -174,6 +175,9 @@ def test_expert_parallel_run_logs_the_losses_of_one_device(env, straight, tmp_pa
     assert result.returncode == 0, result.stderr
     assert "mesh pipe=1,data=1,expert=8" in result.stdout
     _assert_same_history(_history(tmp_path), _history(straight))
+    # the summary reads the step time beside the load it waited for
+    loads = [r[DEVICE_LOAD] for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] > 1]
+    assert f"median device load max/mean {statistics.median(loads):.2f}" in result.stdout
 
 
 def test_checkpoint_restores_onto_another_mesh(env, straight, tmp_path):

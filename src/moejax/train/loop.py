@@ -33,7 +33,7 @@ from moejax.parallel.sharding import batch_sharding
 from moejax.train.checkpoint import Checkpointer, check_config
 from moejax.train.config import ExperimentConfig
 from moejax.train.flops import mfu, peak_flops, train_flops_per_token
-from moejax.train.metrics import MetricsLog, progress_line
+from moejax.train.metrics import DEVICE_LOAD, MetricsLog, progress_line
 from moejax.train.optimizer import make_optimizer
 from moejax.train.placement import train_state_shardings
 from moejax.train.step import (LossAndGrads, TrainState, attention_implementation,
@@ -106,6 +106,9 @@ class Summary:
     mfu: float | None
     peak_memory_gib: float | None
     ema_eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)  # EMA weights
+    # with an expert axis, over the median's steps: the busiest device's share of the routed
+    # copies over the mean, which an expert-parallel step waits for (docs/multi_gpu_runs.md)
+    median_device_load: float | None = None
 
 
 def peak_memory_gib() -> float | None:
@@ -246,6 +249,7 @@ class Trainer:
         evals: dict[int, float] = {}
         ema_evals: dict[int, float] = {}
         step_times: list[float] = []
+        device_loads: list[float] = []
         train_step = make_train_step(graphdef, cfg, state_shardings=state_sh,
                                      batch_sharding=batch_sh,
                                      loss_and_grads=pipelined(graphdef, cfg), latched=True)
@@ -280,6 +284,8 @@ class Trainer:
                         continue
                     if done.step > first + 1 and done.step not in self.traced:
                         step_times.append(step_time)
+                        if DEVICE_LOAD in record:
+                            device_loads.append(record[DEVICE_LOAD])
                     losses[done.step] = record["loss"]
                     current = done.step == step  # the state is this step's
                     if current and self._evaluates(step):
@@ -313,7 +319,9 @@ class Trainer:
         summary = Summary(first, int(state.step), losses, evals, entropy,
                           time.perf_counter() - start_wall, median, tps,
                           mfu(tps, flops_per_token, peak, self.mesh.size) if tps else None,
-                          peak_memory_gib(), ema_eval_losses=ema_evals)
+                          peak_memory_gib(), ema_eval_losses=ema_evals,
+                          median_device_load=(statistics.median(device_loads) if device_loads
+                                              else None))
         self._report_summary(summary)
         return summary
 
@@ -382,7 +390,9 @@ class Trainer:
         if s.median_step_s:
             lines.append(f"median step {s.median_step_s * 1e3:.1f} ms, "
                          f"{s.tokens_per_s:,.0f} tokens/s, MFU "
-                         + (f"{s.mfu:.2%}" if s.mfu is not None else "n/a (unknown peak)"))
+                         + (f"{s.mfu:.2%}" if s.mfu is not None else "n/a (unknown peak)")
+                         + (f", median device load max/mean {s.median_device_load:.2f}"
+                            if s.median_device_load is not None else ""))
         if s.peak_memory_gib is not None:
             lines.append(f"peak device memory {s.peak_memory_gib:.2f} GiB")
         self.log("; ".join(lines))

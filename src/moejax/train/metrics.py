@@ -12,6 +12,8 @@ import pathlib
 from typing import Any, TextIO
 
 METRICS_FILE = "metrics.jsonl"
+# with an expert axis: tokens on the busiest device over the mean (``step.load_balance``)
+DEVICE_LOAD = "expert_device_load_max_over_mean"
 
 
 def _clean(value: Any) -> Any:
@@ -69,8 +71,8 @@ def progress_line(record: dict[str, Any]) -> str:
              f"gnorm {record['grad_norm']:.3f}",
              f"lr {record['lr']:.2e}",
              f"load max/mean {record['expert_load_max_over_mean']:.2f}",
-             *([f"device load max/mean {record['expert_device_load_max_over_mean']:.2f}"]
-               if "expert_device_load_max_over_mean" in record else []),
+             *([f"device load max/mean {record[DEVICE_LOAD]:.2f}"]
+               if DEVICE_LOAD in record else []),
              f"{record['tokens_per_s']:,.0f} tok/s",
              f"step {record['step_time_s'] * 1e3:.0f} ms",
              f"MFU {mfu:.1%}" if mfu is not None else "MFU n/a"]

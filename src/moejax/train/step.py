@@ -23,6 +23,7 @@ from moejax.model.routing import update_router_bias
 from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks
 from moejax.precision import Precision
 from moejax.train.config import ExperimentConfig, TrainConfig
+from moejax.train.metrics import DEVICE_LOAD
 from moejax.train.optimizer import learning_rate, make_optimizer
 
 
@@ -108,7 +109,7 @@ def load_balance(counts: jax.Array, expert_devices: int = 1) -> dict[str, jax.Ar
     balance = {"expert_load_max_over_mean": ratio.mean(), "expert_load_worst": ratio.max()}
     if expert_devices > 1:
         per_device = counts.reshape(*counts.shape[:-1], expert_devices, -1).sum(-1)
-        balance["expert_device_load_max_over_mean"] = _max_over_mean(per_device).mean()
+        balance[DEVICE_LOAD] = _max_over_mean(per_device).mean()
     return balance
 
 
