@@ -6,9 +6,10 @@ from __future__ import annotations
 import jax
 
 
-def varying_axes(x: jax.Array) -> frozenset[str]:
-    """The manual mesh axes ``x`` varies over (inside shard_map; empty outside)."""
-    aval = jax.typeof(x)
+def varying_axes(x: jax.Array | jax.ShapeDtypeStruct) -> frozenset[str]:
+    """The manual mesh axes ``x`` (an array or ``jax.eval_shape``'s struct) varies over
+    (inside shard_map; empty outside)."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
     return frozenset(manual.varying) if manual is not None else frozenset(
         getattr(aval, "vma", ()))

@@ -9,6 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from hlo_text import loop_bodies
+
 from moejax.config import get_model_preset
 from moejax.model import DeepseekV3
 from moejax.model.head_loss import head_cross_entropy
@@ -56,13 +58,6 @@ def test_loss_and_gradients_match_float64(batch, seq, chunk):
     np.testing.assert_allclose(plain, ref_loss, rtol=1e-5)
 
 
-def _loop_bodies(hlo: str) -> list[str]:
-    """The text of every while loop's body computation in an HLO module."""
-    names = re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo)
-    blocks = re.split(r"\n(?=\S)", hlo)
-    return [b for b in blocks for n in names if re.match(rf"%?{re.escape(n)}[ (]", b)]
-
-
 @pytest.mark.parametrize("layout", ["data=4", "data=2,expert=2"])
 def test_split_batch_scans_per_device_and_reduces_once(layout):
     """A batch split over ``data`` (and ``expert``), the kernel split over ``data`` as
@@ -84,7 +79,7 @@ def test_split_batch_scans_per_device_and_reduces_once(layout):
     np.testing.assert_allclose(loss, 0.7 * ref_loss, rtol=1e-5)
     np.testing.assert_allclose(dh, 0.7 * ref_dh, rtol=1e-4, atol=1e-6 * np.abs(ref_dh).max())
     np.testing.assert_allclose(dw, 0.7 * ref_dw, rtol=1e-4, atol=1e-6 * np.abs(ref_dw).max())
-    bodies = _loop_bodies(hlo)
+    bodies = loop_bodies(hlo)
     assert bodies, "the chunk loop is gone from the compiled step"
     for body in bodies:
         assert not re.search(r"all-gather|reduce-scatter|all-reduce|all-to-all", body), body

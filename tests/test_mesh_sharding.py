@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -9,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 from moejax.config import ConfigError, get_model_preset
 from moejax.model import DeepseekV3
 from moejax.parallel.mesh import AXES, MeshSpec, build_mesh, expert_axis_nodes
-from moejax.parallel.sharding import batch_sharding, param_logical_axes, state_shardings
+from moejax.parallel.sharding import (batch_sharding, manual_batch_axes, param_logical_axes,
+                                      per_device, state_shardings, traced_batch_axes)
 
 
 def test_parse_and_build():
@@ -102,3 +104,31 @@ def test_cudnn_attention_gets_q_k_v_in_one_sharding(monkeypatch):
     for call in by_call:
         assert [n for n, _ in call] == ["q", "k", "v"]
         assert all(batch_over_data(spec) and not any(spec[1:]) for _, spec in call), call
+
+
+def test_per_device_runs_the_body_as_is_inside_a_manual_shard_map():
+    """Outside, ``per_device`` is a shard_map over the batch axes; inside a shard_map
+    already manual over them it is the body itself (its psum then sums the same devices);
+    manual over only some of them is refused by name."""
+    mesh = build_mesh(MeshSpec(data=2, expert=4))
+    x = jax.random.normal(jax.random.key(0), (8, 3))
+    axes = ("data", "expert")
+    def total(v):  # decided where it is traced, as the model's layers call it
+        return per_device(lambda v: jax.lax.psum(v, axes), axes, P(axes), P())(v)
+    seen = {}
+
+    def outer(v):
+        seen["manual"], seen["traced"] = manual_batch_axes(), traced_batch_axes()
+        return total(v)
+
+    with jax.set_mesh(mesh):
+        assert traced_batch_axes() == axes and manual_batch_axes() == ()
+        direct = jax.jit(total)(x)
+        nested = jax.jit(jax.shard_map(outer, in_specs=P(axes), out_specs=P()))(x)
+        partial = jax.shard_map(total, in_specs=P("data"), out_specs=P("data"),
+                                axis_names={"data"}, check_vma=False)
+        with pytest.raises(ValueError, match=r"only \('data',\) are manual here"):
+            jax.jit(partial).trace(x)
+    assert seen == {"manual": axes, "traced": ()}
+    np.testing.assert_allclose(direct, x.sum(0, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(nested, direct, rtol=1e-6)

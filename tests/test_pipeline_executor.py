@@ -9,12 +9,15 @@ DualPipeV on one rank.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
+from hlo_text import computations, loop_bodies, with_callees
 
 from experiments import pipeline_study
 from moejax.config import ConfigError, get_model_preset
@@ -92,9 +95,11 @@ def test_executor_matches_whole_batch_step(problem, name, spec):
         # DualPipe/V F&B ticks with an expert axis run piece by piece (paired.fb_tick)
         assert bool(pieces) == (name in ("dualpipe", "dualpipev") and spec.expert > 1)
         stored = pad_stacks(params, config, spec.pipe)
-        result = jax.jit(executor.step)(
-            jax.device_put(stored, state_shardings(stored, mesh)), biases,
-            jax.device_put(tokens, batch_sharding(mesh)))
+        args = (jax.device_put(stored, state_shardings(stored, mesh)), biases,
+                jax.device_put(tokens, batch_sharding(mesh)))
+        compiled = jax.jit(executor.step).lower(*args).compile()
+        result = compiled(*args)
+    _assert_tick_loop_reduces_no_gradients(compiled.as_text(), params)
     np.testing.assert_allclose(result.total, total, rtol=2e-6)
     np.testing.assert_allclose(result.main, main, rtol=2e-6)
     np.testing.assert_allclose(result.mtp, mtp, rtol=2e-6)
@@ -106,6 +111,32 @@ def test_executor_matches_whole_batch_step(problem, name, spec):
                if path[0] in lengths and v[...].shape[0] > lengths[path[0]]]
     assert (padding or spec.pipe == 1) and all(float(jnp.abs(g).max()) == 0.0
                                                for g in padding)
+
+
+def _all_reduces(texts) -> list[str]:
+    return [line for text in texts for line in text.splitlines()
+            if re.search(r"\b(all-reduce|reduce-scatter)(-start)?\(", line)]
+
+
+def _float_elements(instruction: str) -> int:
+    """Float elements in the result shape of one HLO instruction (a tuple counts all)."""
+    shape = re.split(r"\b(?:all-reduce|reduce-scatter)", instruction.split("=", 1)[1])[0]
+    return sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+               for dims in re.findall(r"\b(?:f32|bf16|f16)\[([\d,]*)\]", shape))
+
+
+def _assert_tick_loop_reduces_no_gradients(hlo: str, params) -> None:
+    """Each tick's backward leaves this device's partial gradients: the compiled tick
+    loop all-reduces only routing totals and losses (integers, and a few floats per MoE
+    block), never a parameter's gradient, which are summed once, after the loop. (Manual
+    over ``pipe`` only, every B tick all-reduced its gradients: session 39.)"""
+    in_loop = _all_reduces(with_callees(hlo, loop_bodies(hlo)))
+    sizes = [v[...].size for _, v in nnx.to_flat_state(params)]
+    assert in_loop, "the tick loop lost its routing totals"
+    assert max(map(_float_elements, in_loop)) < min(sizes), in_loop
+    # the detector sees the gradients' sums where they are: the embedding's, after the loop
+    embedding = params["embed_tokens"][...].size
+    assert sum(map(_float_elements, _all_reduces(computations(hlo).values()))) >= embedding
 
 
 def test_executor_with_fp8_tokens_matches_the_sharded_step():
@@ -193,6 +224,18 @@ def test_stage_plan_splits_layers_contiguously_and_rejects_too_many_stages():
         StagePlan.split(config, 8)
 
 
+def test_batch_that_micro_batches_cannot_split_per_device_is_named(problem):
+    """Each device splits its own rows into the micro-batches: 16 rows over data=2 x
+    expert=4 is 2 a device, which 4 micro-batches cannot share; refused before tracing."""
+    config, graphdef, params, biases, tokens, *_ = problem
+    executor = PipelineExecutor(build("gpipe", 1, 4), graphdef, config, jnp.float32,
+                                MTP_LAMBDA)
+    with jax.set_mesh(build_mesh(MeshSpec(data=2, expert=4))):
+        with pytest.raises(ValueError, match=r"batch 16: must be divisible by the 4 "
+                                             r"micro-batches x the 8 devices"):
+            executor.step(pad_stacks(params, config, 1), biases, tokens)
+
+
 def test_study_measures_the_executor(capsys, tmp_path):
     """--measure fills the measured column from the executor's per-tick timings; with
     --profile the step is traced (XLA:CPU's trace has no kernels: no exposed share)."""
@@ -252,17 +295,8 @@ def test_peak_memory_is_reported_per_pipe_rank():
     assert _peak_bytes(mesh) is None
 
 
-def test_gathered_parameters_keep_experts_split(problem):
-    """Inside the step the held parameters are gathered over data (ZeRO-3) but the routed
-    experts stay split over expert, as the MoE layers' shard_map takes them: a rank never
-    holds all experts (the compiled step's temp on pipe=2,expert=4 fell from 60 to 39 MiB)."""
-    from moejax.parallel.pipeline.executor import gathered
-    _, _, params, *_ = problem
-    mesh = build_mesh(MeshSpec(data=2, expert=4))
-    with jax.set_mesh(mesh):
-        placed = jax.device_put(params, state_shardings(params, mesh))
-        held = jax.jit(gathered)(placed)
-    gate = held["moe_blocks"]["mlp"]["gate_proj"][...]
-    assert gate.sharding.shard_shape(gate.shape)[1] == gate.shape[1] // 4
-    embed = held["embed_tokens"][...]
-    assert embed.sharding.shard_shape(embed.shape) == embed.shape
+def _float_elements(instruction: str) -> int:
+    """Float elements in the result shape of one HLO instruction (a tuple counts all)."""
+    shape = instruction.split("=", 1)[1].split("all-reduce", 1)[0]
+    return sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+               for dims in re.findall(r"\b(?:f32|bf16|f16)\[([\d,]*)\]", shape))

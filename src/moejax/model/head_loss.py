@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from pallas_kernels.varying import mark_varying, varying_union
 
-from moejax.parallel.sharding import check_batch_divides, traced_batch_axes
+from moejax.parallel.sharding import check_batch_divides, manual_batch_axes, traced_batch_axes
 
 # FP32 logits of one chunk: bounds the transient to about this much (its rounded gradient
 # adds half again). 4096 tokens of a 32768-word vocabulary; 1038 of DeepSeek-V3's 129280.
@@ -49,7 +49,9 @@ def head_cross_entropy(h: jax.Array, kernel: jax.Array, labels: jax.Array,
     ``labels``: h (B, S, H) in the compute dtype, kernel (H, V) in any float dtype (cast to
     h's for the GEMMs), labels (B, S) int in [0, V). ``chunk_tokens`` (default
     ``chunk_tokens_for(V)``) bounds B x positions per chunk. Under shard_map the kernel is
-    typed as varying like h, so its gradient is a per-device partial like h's."""
+    typed as varying like h, so its gradient is a per-device partial like h's; inside a
+    ``shard_map`` manual over the batch axes (the pipeline executor's) the mean is still
+    over the whole batch, one ``pmean`` of the scalar, and dW stays this device's part."""
     if h.ndim != 3 or labels.shape != h.shape[:2] or kernel.shape[0] != h.shape[-1]:
         raise ValueError(f"head_cross_entropy: h (B, S, H), labels (B, S) and kernel (H, V) "
                          f"must agree; got h {h.shape}, labels {labels.shape}, kernel "
@@ -59,8 +61,10 @@ def head_cross_entropy(h: jax.Array, kernel: jax.Array, labels: jax.Array,
     rows = h.shape[0] // (check_batch_divides(h.shape[0], axes) if axes else 1)
     positions = max(1, min(h.shape[1], chunk // rows))
     kernel = mark_varying(kernel, varying_union((h, labels)))
-    return _head_ce(h, kernel, labels, positions, axes,
+    loss = _head_ce(h, kernel, labels, positions, axes,
                     (np.dtype(h.dtype), np.dtype(kernel.dtype)))
+    manual = manual_batch_axes()
+    return jax.lax.pmean(loss, manual) if manual else loss
 
 
 def _chunked(x: jax.Array, positions: int) -> jax.Array:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
+from pallas_kernels.varying import mark_varying, varying_axes
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any]]  # (carry, x, consts) -> (carry, y)
 
@@ -93,8 +94,15 @@ def _stack_into(stacks: Any, values: Any, i: jax.Array | int) -> Any:
 
 
 def _empty_stacks(length: int, avals: Any) -> Any:
-    """Uninitialised (length, ...) stacks for a tree of per-layer types."""
-    return jax.tree.map(lambda a: lax.empty((length, *a.shape), a.dtype), avals)
+    """Uninitialised (length, ...) stacks for a tree of per-layer types (inside shard_map,
+    varying where the layers' values are, so the layer loop's carry keeps its type)."""
+    return jax.tree.map(lambda a: mark_varying(lax.empty((length, *a.shape), a.dtype),
+                                               tuple(varying_axes(a))), avals)
+
+
+def _layer_avals(tree: Any) -> Any:
+    """The per-layer types of (length, ...) stacks, their varying axes included."""
+    return jax.eval_shape(lambda t: jax.tree.map(lambda a: a[0], t), tree)
 
 
 def _differentiable(dtype: Any) -> bool:
@@ -221,7 +229,7 @@ def _scan_fwd(step: Step, carry: Any, xs: Any, consts: Any, unroll: bool,
               fence_recompute: bool) -> tuple[tuple[Any, Any], Any]:
     del fence_recompute  # a backward matter
     length = _length(xs)
-    x_avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
+    x_avals = _layer_avals(xs)
     probe = _probe(step, carry, x_avals, consts)
     once = []
     if any(kind == "once" for kind, _ in probe.plan.sources):
@@ -285,8 +293,7 @@ def _scan_bwd(step: Step, unroll: bool, fence_recompute: bool, res: _Residuals,
             ct_carry, dx, dc = lax.optimization_barrier((ct_carry, dx, dc))
         return ct_carry, _stack_into(dx_stacks, dx, i), [a + b for a, b in zip(dconsts, dc)]
 
-    dx_avals = [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-                for leaf, d in zip(x_leaves, x_diff) if d]
+    dx_avals = _layer_avals([leaf for leaf, d in zip(x_leaves, x_diff) if d])
     dconsts = [jnp.zeros_like(leaf) for leaf, d in zip(const_leaves, const_diff) if d]
     ct_carry, dx_stacks, dconsts = _layer_loop(
         length, body, (ct_carry, _empty_stacks(length, dx_avals), dconsts), unroll)

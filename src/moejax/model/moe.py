@@ -24,7 +24,8 @@ from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.layers import DenseMLP
 from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
 from moejax.parallel import expert as expert_parallel  # module: the two import each other
-from moejax.parallel.sharding import check_batch_divides, traced_batch_axes
+from moejax.parallel.sharding import (check_batch_divides, manual_batch_axes, per_device,
+                                      traced_batch_axes)
 from moejax.precision import Precision
 
 
@@ -91,8 +92,10 @@ def routed_experts_data_parallel(x: jax.Array, router: jax.Array, bias: jax.Arra
     are summed over ``batch_axes``. Why a ``shard_map``: XLA cannot split the expert sort
     or the grouped GEMM kernels over a sharded batch, so left to itself it gathered the
     batch and ran every device's experts on all of it (4 x H200, ``data=4``: 4x the GEMM
-    work; session 37)."""
-    check_batch_divides(x.shape[0], batch_axes)
+    work; session 37). Inside a ``shard_map`` already manual over ``batch_axes`` (the
+    pipeline executor's) the body runs as is."""
+    if not manual_batch_axes():
+        check_batch_divides(x.shape[0], batch_axes)
 
     def body(x, router, bias, weights):
         weights = expert_parallel.varying_over(weights, batch_axes)
@@ -103,8 +106,8 @@ def routed_experts_data_parallel(x: jax.Array, router: jax.Array, bias: jax.Arra
                                    s.dropped, s.cross_node)
 
     tokens = P(batch_axes)
-    return MoEOutput(*jax.shard_map(
-        body, in_specs=(tokens, P(), P(), ExpertWeights(P(), P(), P())),
+    return MoEOutput(*per_device(
+        body, batch_axes, in_specs=(tokens, P(), P(), ExpertWeights(P(), P(), P())),
         out_specs=(tokens, RoutingStats(P(), P(), P(), P())))(x, router, bias, weights))
 
 
@@ -132,7 +135,7 @@ class MoE(nnx.Module):
         if expert_parallel.expert_axis_size() > 1:
             y, stats = expert_parallel.expert_parallel_moe(x, self.router[...], bias, weights,
                                                            self.config, run_experts)
-        elif batch_axes := traced_batch_axes():
+        elif batch_axes := traced_batch_axes() or manual_batch_axes():
             y, stats = routed_experts_data_parallel(x, self.router[...], bias, weights,
                                                     self.config, run_experts, self.precision,
                                                     batch_axes)

@@ -39,7 +39,7 @@ from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import dispatch, sorted_weights, sum_copies
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
-from moejax.parallel.sharding import BATCH, check_batch_divides
+from moejax.parallel.sharding import BATCH, check_batch_divides, per_device
 
 EXPERT_AXIS = "expert"
 TRANSPORTS = ("auto", "padded", "ragged")
@@ -651,7 +651,8 @@ def expert_layout(config: ModelConfig, batch: int) -> tuple[int, tuple[str, ...]
         raise ConfigError(f"n_routed_experts={config.n_routed_experts}: must be divisible by "
                           f"the expert mesh axis size {ep}")
     batch_axes = tuple(a for a in BATCH if a in mesh.axis_names)
-    check_batch_divides(batch, batch_axes)
+    if EXPERT_AXIS not in mesh.manual_axes:  # else ``batch`` is one device's rows already
+        check_batch_divides(batch, batch_axes)
     return ep, batch_axes
 
 
@@ -665,7 +666,9 @@ def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
     rows (grouped by local expert) to their outputs weighted by ``row_weights`` (each
     row's router weight, moved with the rows); ``rows_fp8`` is their FP8 quantization as
     it travelled with FP8 tokens (the FP8 expert GEMMs take it without re-rounding), else
-    None; benchmarks pass an identity to time the token exchange alone.
+    None; benchmarks pass an identity to time the token exchange alone. Inside a
+    ``shard_map`` already manual over the batch axes (the pipeline executor's), ``x`` is
+    this device's rows and ``weights`` its own experts.
     """
     mesh = jax.sharding.get_abstract_mesh()
     ep, batch_axes = expert_layout(config, x.shape[0])
@@ -676,6 +679,6 @@ def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
         run_experts=run_experts)
     tokens = P(batch_axes)
     experts = ExpertWeights(P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS))
-    return jax.shard_map(body, in_specs=(tokens, P(), P(), experts),
-                         out_specs=(tokens, RoutingStats(P(), P(), P(), P())))(
+    return per_device(body, batch_axes, in_specs=(tokens, P(), P(), experts),
+                      out_specs=(tokens, RoutingStats(P(), P(), P(), P())))(
         x, router, bias, weights)

@@ -1,14 +1,26 @@
-"""Runs a pipeline schedule on the real model's stages: jit + shard_map over ``pipe``.
+"""Runs a pipeline schedule on the real model's stages: jit + shard_map over the mesh.
 
 The static schedule becomes per-tick tables (:mod:`.tables`: every op takes one lock-step
 tick, data sent in tick t is usable in tick t+1, buffer entries allocated ahead). Inside
-one ``jax.shard_map`` that is manual over ``pipe`` only (``data``/``expert`` stay
-automatic, so the MoE layers still run expert-parallel through their own nested
-shard_map), each device reads its row of the tables with ``rank = lax.axis_index('pipe')``
+one ``jax.shard_map`` manual over every mesh axis (``pipe`` and the batch axes ``data``,
+``expert``), each device reads its row of the tables with ``rank = lax.axis_index('pipe')``
 and a ``lax.scan`` walks the ticks. A tick runs one ``lax.switch`` over the tick
 *programs* that occur in the schedule: each program is a static pair (shape of the F
 stage or none, shape of the B stage or none), see :class:`Work`, so an F&B tick is one
 straight-line computation holding both chunks, with no nested conditional between them.
+
+Per device. Each device holds its share of every micro-batch (the batch split over
+``data`` x ``expert``) and its own routed experts; the MoE layers and the fused head see
+that their axes are already manual and run their per-device bodies as they are
+(``sharding.per_device``), their collectives included (the expert exchange, the routing
+totals, the losses' ``pmean``). The held parameters are typed as varying over every axis
+right after the fetch, so each tick's backward leaves this device's partial gradients
+and no collective over the batch axes sits in a tick: the transpose of that typing,
+applied once when the step ends, sums them over ``data`` and ``expert`` (and over
+``pipe`` for the parameters every rank holds whole). Left to the partitioner (manual over
+``pipe`` only), every B tick all-reduced its gradients at once: on one rank of
+``expert=4`` the executor ran at about a third of the whole-batch step's tokens/s
+(session 39).
 
 - F: the stage's forward (``stages.stage_forward``) on its input from the activation
   buffer (stage rows picked by traced local offsets);
@@ -22,12 +34,14 @@ straight-line computation holding both chunks, with no nested conditional betwee
 
 Memory. The buffers have the entries the schedule keeps in flight on the busiest rank
 (``TickTables.buffer_sizes``: at most its activation bound + 1, one input waiting for its
-F), each one micro-batch's stage input. Parameters are stored as the normal model tree,
-stacked layers split over ``pipe``; before the first tick each rank fetches the rows of
-its own stages (:mod:`.placement`: 1x the layers over the pipe for GPipe, 1F1B and
-DualPipeV, 2x for DualPipe) and after the last one the fetch's VJP returns their
-gradients to where they are stored. Router counts sum over micro-batches and stages;
-losses are means over micro-batches, so they equal the unpipelined step's.
+F), each one micro-batch's stage input (this device's rows of it). Parameters are stored
+as the normal model tree, stacked layers split over ``pipe``; the step's entry gathers
+ZeRO-3 shards over ``data`` once (routed experts stay split over ``expert``), and before
+the first tick each rank fetches the rows of its own stages (:mod:`.placement`: 1x the
+layers over the pipe for GPipe, 1F1B and DualPipeV, 2x for DualPipe); after the last one
+the fetch's VJP returns their gradients to where they are stored. Router counts sum over
+micro-batches and stages; losses are means over micro-batches, so they equal the
+unpipelined step's.
 
 W chunks run nothing: a B computes its weight gradients at once, so a W tick is idle time.
 
@@ -56,17 +70,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from pallas_kernels.varying import mark_varying, varying_axes
 
 from moejax.config import ModelConfig
 from moejax.model import DeepseekV3, ModelLosses
-from moejax.parallel.expert import EXPERT_AXIS, expert_axis_size
+from moejax.parallel.expert import EXPERT_AXIS, expert_axis_size, varying_over
 from moejax.parallel.pipeline.paired import Chunk, fb_tick, pairs_pieces
 from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement, sum_over_pipe
 from moejax.parallel.pipeline.storage import map_leaves
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import (StagePlan, StageRows, StageShape, StageStats,
                                              add_stats, stage_forward)
-from moejax.parallel.sharding import constrain_batch, param_logical_axes
+from moejax.parallel.sharding import BATCH, param_logical_axes
 from moejax.parallel.pipeline.tables import ACT_SOURCES, GRAD_SOURCES, TickTables, tick_tables
 from moejax.profiling import median_seconds
 
@@ -186,13 +201,12 @@ class PipelineExecutor:
         dtype = self.compute_dtype
         stats = jax.eval_shape(lambda: self._forward(
             self.plan.shape(0), 0, params, biases, jnp.zeros(entry, dtype), mb_tokens[0]))[1]
-        # Buffers split over the batch axes and gradients laid out as the held parameters,
-        # as the ticks leave them: a tick-range program fed its own output then runs
-        # without a second compile (and no rank holds whole micro-batches).
-        return Carry(constrain_batch(jnp.zeros((acts, *entry), dtype), dim=1),
-                     constrain_batch(jnp.zeros((grads, *entry), dtype), dim=1),
-                     gathered(jax.tree.map(jnp.zeros_like, params)),
-                     jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats))
+        # Typed as the ticks leave them (``everywhere``, ``per_rank``): the tick loop's
+        # carry keeps its type.
+        return Carry(everywhere(jnp.zeros((acts, *entry), dtype)),
+                     everywhere(jnp.zeros((grads, *entry), dtype)),
+                     everywhere(jax.tree.map(jnp.zeros_like, params)),
+                     per_rank(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)))
 
     def _tick(self, params: nnx.State, biases: nnx.State, mb_tokens: jax.Array,
               carry: Carry, row: dict[str, jax.Array]) -> Carry:
@@ -201,7 +215,7 @@ class PipelineExecutor:
         m = mb_tokens.shape[0]
         _, f_stage, f_act, f_mb = (mine["f"][i] for i in range(4))
         _, b_stage, b_act, b_grad, b_mb = (mine["b"][i] for i in range(5))
-        nothing = jnp.zeros(carry.acts.shape[1:], carry.acts.dtype)
+        nothing = everywhere(jnp.zeros(carry.acts.shape[1:], carry.acts.dtype))
 
         def forward(shape: StageShape, stats: StageStats) -> tuple[jax.Array, StageStats]:
             (out, _), new = self._forward(shape, f_stage, params, biases, carry.acts[f_act],
@@ -209,10 +223,11 @@ class PipelineExecutor:
             return out, add_stats(stats, new)
 
         def backward(shape: StageShape, grads: nnx.State) -> tuple[jax.Array, nnx.State]:
-            _, vjp, _ = jax.vjp(
+            (_, loss), vjp, _ = jax.vjp(
                 lambda p, h: self._forward(shape, b_stage, p, biases, h, mb_tokens[b_mb]),
                 params, carry.acts[b_act], has_aux=True)
-            d_params, d_h = vjp((carry.grad_in[b_grad], jnp.float32(1.0 / m)))
+            seed = mark_varying(jnp.float32(1.0 / m), tuple(varying_axes(loss)))
+            d_params, d_h = vjp((carry.grad_in[b_grad], seed))
             return d_h, jax.tree.map(jnp.add, grads, d_params)
 
         def paired(work: Work, stats: StageStats, grads: nnx.State):
@@ -227,10 +242,12 @@ class PipelineExecutor:
         def program(work: Work) -> Callable:
             def run(stats: StageStats, grads: nnx.State):
                 if self.runs_pieces(work):
-                    return paired(work, stats, grads)
-                f_out, stats = forward(work.f, stats) if work.f else (nothing, stats)
-                b_out, grads = backward(work.b, grads) if work.b else (nothing, grads)
-                return f_out, b_out, stats, grads
+                    f_out, b_out, stats, grads = paired(work, stats, grads)
+                else:
+                    f_out, stats = forward(work.f, stats) if work.f else (nothing, stats)
+                    b_out, grads = backward(work.b, grads) if work.b else (nothing, grads)
+                # every branch of the switch returns the same types
+                return everywhere(f_out), everywhere(b_out), per_rank(stats), everywhere(grads)
             return run
 
         works, _ = self.programs
@@ -254,18 +271,21 @@ class PipelineExecutor:
                      land(carry.grad_in, GRAD_SOURCES, b_out), grads, stats)
 
     def _finish(self, carry: Carry, unfetch: Callable, num_microbatches: int) -> StepResult:
-        """Gradients w.r.t. the stored parameters, and the stats summed over ``pipe``."""
+        """Gradients w.r.t. the stored parameters (summed over the devices by the VJP of
+        ``_held``'s typing), and the stats summed over ``pipe``."""
         (grads,) = unfetch(carry.grads)
-        grads = self.placement.reduce_grads(grads)
         s = sum_over_pipe(carry.stats)
         mean = lambda x: x / num_microbatches  # noqa: E731
         return StepResult(mean(s.loss), mean(s.main), mean(s.mtp), mean(s.aux), s.counts,
                           s.dropped, s.cross_node, grads)
 
     def _held(self, params: nnx.State) -> tuple[nnx.State, Callable]:
-        """This rank's held parameters and the VJP of fetching them (call in shard_map)."""
+        """This rank's held parameters, typed as varying over every device so each tick's
+        gradients stay this device's part, and the VJP of fetching and typing them: it
+        sums those parts over the batch axes (and over ``pipe`` for whole parameters) once,
+        and sends stack rows back to where they are stored (call in shard_map)."""
         rank = jax.lax.axis_index(PIPE_AXIS)
-        return jax.vjp(lambda p: self.placement.fetch(p, rank), gathered(params))
+        return jax.vjp(lambda p: everywhere(self.placement.fetch(p, rank)), params)
 
     def _ticks(self, held: nnx.State, biases: nnx.State, mb_tokens: jax.Array, carry: Carry,
                start: int | jax.Array, stop: int | jax.Array) -> Carry:
@@ -276,12 +296,41 @@ class PipelineExecutor:
                                                  {k: v[t] for k, v in tables.items()}),
             carry)
 
+    def _specs(self, params: nnx.State) -> tuple[nnx.State, P]:
+        """``shard_map`` specs of the stored parameters (stacks by their layer axis over
+        ``pipe``, routed experts over ``expert``, whole over ``data``: ZeRO-3 shards are
+        gathered once as the step enters) and of the token batch (over the batch axes)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if dict(mesh.shape).get("tensor", 1) > 1:
+            raise ValueError(f"the pipeline executor has no tensor parallelism: mesh "
+                             f"tensor={dict(mesh.shape)['tensor']}; use 1")
+        over_pipe = {path: tuple(v.get_value())
+                     for path, v in nnx.to_flat_state(self.placement.specs(params))}
+
+        def spec(path: tuple, value: jax.Array) -> P:
+            axes = param_logical_axes(path, value.ndim)
+            stacked = over_pipe[path]  # (pipe,) for a stack's layer axis, () otherwise
+            return P(*stacked, *(EXPERT_AXIS if a == "expert" else None
+                                 for a in axes[len(stacked):]))
+
+        return map_leaves(params, spec), P(tuple(a for a in BATCH if a in mesh.axis_names))
+
+    def _check_batch(self, batch: int, axes: P) -> None:
+        """Every micro-batch splits evenly over the batch axes (a clear error if not)."""
+        sizes = dict(jax.sharding.get_abstract_mesh().shape)
+        shards = int(np.prod([sizes[a] for a in axes[0]]))
+        m = self.schedule.num_microbatches
+        if batch % (shards * m):
+            raise ValueError(f"batch {batch}: must be divisible by the {m} micro-batches "
+                             f"x the {shards} devices of the batch axes {axes[0]}")
+
     # --- public -----------------------------------------------------------------------
 
     def step(self, params: nnx.State, biases: nnx.State, tokens: jax.Array) -> StepResult:
         """The whole pipelined forward + backward of ``tokens`` (B, S+1) (trace under jit)."""
         m = self.schedule.num_microbatches
-        specs = self.placement.specs(params)
+        specs, batch = self._specs(params)
+        self._check_batch(tokens.shape[0], batch)
 
         def body(params, biases, tokens):
             held, unfetch = self._held(params)
@@ -291,33 +340,34 @@ class PipelineExecutor:
             return self._finish(carry, unfetch, m)
 
         out_specs = StepResult(*(P(),) * 7, specs)
-        return jax.shard_map(body, in_specs=(specs, P(), P()), out_specs=out_specs,
-                             axis_names={PIPE_AXIS}, check_vma=False)(params, biases, tokens)
+        return jax.shard_map(body, in_specs=(specs, P(), batch), out_specs=out_specs)(
+            params, biases, tokens)
 
     def timing_programs(self, params: nnx.State) -> TimingPrograms:
         """The step as four jitted programs (``TimingPrograms``) for ``timed_step``; the
         tick-range program takes its bounds as arguments, so the step and the per-tick
-        timing share one compile of the tick loop."""
+        timing share one compile of the tick loop. Between programs each device's values
+        travel stacked along a leading axis split over every axis they vary over."""
         m = self.schedule.num_microbatches
         mine = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
         stack = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
-        per_rank = P(PIPE_AXIS)
-        specs = self.placement.specs(params)
+        specs, batch = self._specs(params)
+        device = P((PIPE_AXIS, *batch[0]))
+        carry = Carry(device, device, device, P(PIPE_AXIS))
 
         def sharded(fn, in_specs, out_specs):
-            return jax.jit(jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs,
-                                         axis_names={PIPE_AXIS}, check_vma=False))
+            return jax.jit(jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs))
 
         return TimingPrograms(
-            held=sharded(lambda p: stack(self._held(p)[0]), (specs,), per_rank),
+            held=sharded(lambda p: stack(self._held(p)[0]), (specs,), device),
             init=sharded(lambda h, b, tok: stack(self._init(mine(h), b,
                                                             split_microbatches(tok, m))),
-                         (per_rank, P(), P()), per_rank),
+                         (device, P(), batch), carry),
             ticks=sharded(lambda h, b, tok, c, start, stop: stack(self._ticks(
                 mine(h), b, split_microbatches(tok, m), mine(c), start, stop)),
-                          (per_rank, P(), P(), per_rank, P(), P()), per_rank),
+                          (device, P(), batch, carry, P(), P()), carry),
             finish=sharded(lambda p, c: self._finish(mine(c), self._held(p)[1], m),
-                           (specs, per_rank), StepResult(*(P(),) * 7, specs)))
+                           (specs, carry), StepResult(*(P(),) * 7, specs)))
 
     def timed_step(self, params: nnx.State, biases: nnx.State, tokens: jax.Array,
                    repeats: int = 5, profile_dir: str | None = None
@@ -361,23 +411,20 @@ class PipelineExecutor:
         return (r.total, (r.main, r.mtp, out)), r.grads
 
 
-def gathered(params: nnx.State) -> nnx.State:
-    """``params`` gathered over ``data`` (ZeRO-3 shards) once, before the tick loop, so no
-    partitioner-made all-gather sits inside a tick's branch; routed experts stay split
-    over ``expert``, as the MoE layers' own shard_map takes them, so they need none either
-    and a rank never holds every expert. (On the pipe=2, expert=4 test model this keeps
-    the compiled step's collectives and their replica groups, all-gathers 10 -> 4, temp
-    60 -> 39 MiB.)"""
-    def constrain(path: tuple, value: jax.Array) -> jax.Array:
-        axes = param_logical_axes(path, value.ndim)
-        return jax.lax.with_sharding_constraint(
-            value, P(*(EXPERT_AXIS if a == "expert" else None for a in axes)))
-    return map_leaves(params, constrain)
+def everywhere(tree: Any) -> Any:
+    """``tree`` typed as varying over ``pipe`` and the mesh's batch axes (call in the step's
+    shard_map): what each device holds of the step's buffers and gradients."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return varying_over(tree, (PIPE_AXIS, *(a for a in BATCH if a in mesh.axis_names)))
+
+
+def per_rank(tree: Any) -> Any:
+    """``tree`` typed as varying over ``pipe``: the stats, equal on a rank's devices."""
+    return varying_over(tree, (PIPE_AXIS,))
 
 
 def split_microbatches(tokens: jax.Array, num_microbatches: int) -> jax.Array:
-    """(B, S+1) -> (M, B/M, S+1), micro-batch i = rows i, i+M, ...: every micro-batch
-    takes an equal share of each data shard's rows (the batch dim is split over devices
-    in contiguous blocks)."""
+    """(B, S+1) -> (M, B/M, S+1), micro-batch i = rows i, i+M, ...: applied to one
+    device's rows, every micro-batch takes an equal share of them."""
     batch = tokens.shape[0]
     return tokens.reshape(batch // num_microbatches, num_microbatches, -1).swapaxes(0, 1)

@@ -80,6 +80,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from pallas_kernels.varying import varying_union
 
 from moejax.config import ModelConfig
 from moejax.model.decoder import DecoderBlock
@@ -97,7 +98,7 @@ from moejax.parallel.expert import (
     make_transport,
     varying_over,
 )
-from moejax.parallel.sharding import param_logical_axes
+from moejax.parallel.sharding import param_logical_axes, per_device
 
 Values = dict[str, Any]  # float arrays a piece differentiates through
 Meta = dict[str, Any]  # routing decisions and layouts (integers): carried, not differentiated
@@ -353,7 +354,9 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
     ``d_h`` is the cotangent of the stack's output, ``d_balance`` (L,) that of its
     per-block balance losses as ``Forward.balance`` reports them (e.g. the aux-loss
     weight). Call under ``jax.set_mesh`` with an ``expert`` axis; ``graphdef`` is one MoE
-    ``DecoderBlock``'s.
+    ``DecoderBlock``'s. Inside a ``shard_map`` already manual over the batch axes (the
+    pipeline executor's), the chunks are this device's rows and its own experts, and
+    ``Backward.d_params`` is this device's part, summed by the caller once a step.
     """
     if order not in ORDERS:
         raise ValueError(f"run_pair: order={order!r}; choose from {ORDERS}")
@@ -363,7 +366,8 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
         raise ValueError("run_pair: give a forward chunk, a backward chunk, or both")
     h_any = forward[1] if forward is not None else backward[2]
     ep, batch_axes = expert_layout(config, h_any.shape[0])
-    tokens, per_device = P(batch_axes), P(batch_axes)
+    tokens = P(batch_axes)
+    local_grads = EXPERT_AXIS in jax.sharding.get_abstract_mesh().manual_axes
 
     def body(f_in, b_in):
         batch, seq, _ = (f_in[1] if f_in is not None else b_in[2]).shape
@@ -387,20 +391,22 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
         if b_in is not None:
             stack, saved, d_h, d_balance = b_in
             shards = jax.lax.psum(1, batch_axes)
-            d_balance = varying_over(d_balance / shards, batch_axes)  # d(mean)/d(mine)
-            b_steps = _backward_steps(ctx, stack._replace(
-                params=varying_over(stack.params, batch_axes)), d_balance)
+            params = varying_over(stack.params, batch_axes)
+            # d(mean)/d(mine), typed as the balance the pieces compute from params and rows
+            d_balance = varying_over(d_balance / shards, varying_union((params, d_h)))
+            b_steps = _backward_steps(ctx, stack._replace(params=params), d_balance)
             b = BackwardState({"h": d_h}, {}, jax.tree.map(lambda a: a[0], saved))
         f, b = _run(f_steps, b_steps, f, b, order)
-        return _forward_out(f, batch_axes), _backward_out(b, b_in, batch_axes)
+        return (_forward_out(f, batch_axes),
+                _backward_out(b, b_in, () if local_grads else batch_axes))
 
     specs = lambda stack: Stack(_param_specs(stack.params), P())  # noqa: E731
     f_specs = None if forward is None else (specs(forward[0]), tokens)
-    b_specs = None if backward is None else (specs(backward[0]), per_device, tokens, P())
-    f_out = None if forward is None else Forward(tokens, P(), P(), P(), P(), per_device)
+    b_specs = None if backward is None else (specs(backward[0]), tokens, tokens, P())
+    f_out = None if forward is None else Forward(tokens, P(), P(), P(), P(), tokens)
     b_out = None if backward is None else Backward(tokens, _param_specs(backward[0].params))
-    return jax.shard_map(body, in_specs=(f_specs, b_specs), out_specs=(f_out, b_out))(
-        forward, backward)
+    return per_device(body, batch_axes, in_specs=(f_specs, b_specs),
+                      out_specs=(f_out, b_out))(forward, backward)
 
 
 def _forward_out(f: ForwardState | None, batch_axes: tuple[str, ...]) -> Forward | None:
@@ -417,11 +423,13 @@ def _forward_out(f: ForwardState | None, batch_axes: tuple[str, ...]) -> Forward
 
 def _backward_out(b: BackwardState | None, b_in: tuple | None,
                   batch_axes: tuple[str, ...]) -> Backward | None:
+    """The backward chunk's input gradient and its parameter gradients summed over
+    ``batch_axes`` (none: this device's part)."""
     if b is None:
         return None
     specs = _param_specs(b_in[0].params)
     grads = jax.tree.map(lambda *g: jnp.stack(g), *(b.grads[i] for i in sorted(b.grads)))
-    summed = jax.tree.map(
+    summed = grads if not batch_axes else jax.tree.map(
         lambda g, spec: jax.lax.psum(g, tuple(a for a in batch_axes if a not in spec)),
         grads, specs)
     return Backward(b.ct["h"], summed)

@@ -2,8 +2,7 @@
 
 The pipeline executor keeps only each in-flight micro-batch's stage input, so the B chunk
 of a tick first recomputes its stage's forward. Here that recompute and the two chunks
-run as (all in one traced tick, automatic over ``data``/``expert`` around the MoE
-blocks' own ``shard_map``):
+run as (all in one traced tick, per device inside the executor's ``shard_map``):
 
 1. B: ``jax.vjp`` of its stage front (embedding, dense blocks) at the stage input;
    its MoE blocks' forward keeping each piece's pullback (``fb_pair`` ``keep="pullbacks"``:
@@ -25,6 +24,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from pallas_kernels.varying import mark_varying, varying_axes
 
 from moejax.model import DeepseekV3
 from moejax.parallel.pipeline.fb_pair import Stack, run_pair
@@ -75,8 +75,9 @@ def fb_tick(model_of: Callable[[nnx.State], DeepseekV3], params: nnx.State, f: C
         out, stats = stage_back(b.shape, model_of(p), h, b.tokens, mtp_lambda)
         return (out, stats.loss), stats
 
-    _, back_b, _ = jax.vjp(back, params, redo.h, has_aux=True)
-    d_params_back, d_h_moe = back_b((d_out, jnp.float32(loss_weight)))
+    (_, loss), back_b, _ = jax.vjp(back, params, redo.h, has_aux=True)
+    seed = mark_varying(jnp.float32(loss_weight), tuple(varying_axes(loss)))
+    d_params_back, d_h_moe = back_b((d_out, seed))
     d_balance = jnp.full((b.shape.moe,), config.aux_loss_alpha * loss_weight, jnp.float32)
 
     # F's MoE forward paired with B's MoE backward.

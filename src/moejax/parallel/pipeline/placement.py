@@ -13,7 +13,7 @@ a stage reads contiguous local rows at the offset :attr:`ParamPlacement.offsets`
 GPipe and 1F1B hold each layer once, DualPipeV once (rank i: stages i and 2P-1-i), DualPipe
 twice (rank i: stages i and P-1-i, one per direction): :meth:`ParamPlacement.copies`.
 
-The fetch runs inside the executor's ``shard_map`` (manual over ``pipe``): for each
+The fetch runs inside the executor's ``shard_map`` (manual over the mesh): for each
 stack, P rounds of one ``ppermute`` each (round d: every rank sends rank r+d the rows
 that rank needs from its block; padded to the round's largest count, padding lands in a
 discarded row). The step takes ``jax.vjp`` of the fetch, so the gradients of the held
@@ -41,11 +41,7 @@ PIPE_AXIS = "pipe"
 
 
 def sum_over_pipe(x: Any) -> Any:
-    """``psum`` of the tree ``x`` over ``pipe``; as is on one rank, where XLA's partitioner
-    refuses a cross-partition all-reduce over the size-1 manual axis (a RET_CHECK in
-    ``spmd_partitioner.cc``, jax 0.10)."""
-    if jax.sharding.get_abstract_mesh().shape[PIPE_AXIS] == 1:
-        return x
+    """``psum`` of the tree ``x`` over ``pipe`` (call in the executor's shard_map)."""
     return jax.lax.psum(x, PIPE_AXIS)
 
 
@@ -161,9 +157,3 @@ class ParamPlacement:
             stack = self._stack_of(path)
             return value if stack is None else stack.fetch(value, rank)
         return map_leaves(params, local)
-
-    def reduce_grads(self, grads: nnx.State) -> nnx.State:
-        """Gradients w.r.t. the stored parameters (the fetch's VJP applied) summed over
-        ``pipe`` where storage is whole; stacks were summed by the VJP's rounds."""
-        return map_leaves(grads, lambda path, g: g if self._stack_of(path)
-                          else sum_over_pipe(g))

@@ -167,7 +167,7 @@ def stage_back(shape: StageShape, model: DeepseekV3, h: jax.Array, tokens: jax.A
             aux = aux + c.aux_loss_alpha * stats.balance_loss
             dropped, cross_node = dropped + stats.dropped, cross_node + stats.cross_node
     mtp = jnp.mean(jnp.stack(mtp_losses)) if mtp_losses else zero
-    out = jnp.zeros((tokens.shape[0], seq, c.hidden_size), model.dtype)
+    out = jnp.zeros_like(h, model.dtype)  # typed like h inside the executor's shard_map
     return out, StageStats(aux + main + mtp_lambda * mtp, main, mtp, aux, counts, dropped,
                            cross_node)
 
