@@ -15,10 +15,16 @@ def computations(hlo: str) -> dict[str, str]:
     return {m.group(1): b for m, b in zip(named, blocks) if m}
 
 
-def loop_bodies(hlo: str) -> list[str]:
-    """The text of every while loop's body computation in an HLO module."""
+def loop_bodies(hlo: str, within: str | None = None) -> list[str]:
+    """The text of every while loop's body computation in an HLO module, or only of the
+    loops ``within`` that text (e.g. the entry computation: the outermost loops)."""
     by_name = computations(hlo)
-    return [by_name[n] for n in re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo)]
+    return [by_name[n] for n in re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", within or hlo)]
+
+
+def entry(hlo: str) -> str:
+    """The text of the module's entry computation."""
+    return next(text for text in computations(hlo).values() if text.startswith("ENTRY"))
 
 
 def with_callees(hlo: str, texts: list[str]) -> list[str]:

@@ -113,9 +113,10 @@ def test_per_device_runs_the_body_as_is_inside_a_manual_shard_map():
     mesh = build_mesh(MeshSpec(data=2, expert=4))
     x = jax.random.normal(jax.random.key(0), (8, 3))
     axes = ("data", "expert")
+    seen = {}
+
     def total(v):  # decided where it is traced, as the model's layers call it
         return per_device(lambda v: jax.lax.psum(v, axes), axes, P(axes), P())(v)
-    seen = {}
 
     def outer(v):
         seen["manual"], seen["traced"] = manual_batch_axes(), traced_batch_axes()

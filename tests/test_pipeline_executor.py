@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hlo_text import computations, loop_bodies, with_callees
+from hlo_text import computations, entry, loop_bodies, with_callees
 
 from experiments import pipeline_study
 from moejax.config import ConfigError, get_model_preset
@@ -30,6 +30,7 @@ from moejax.parallel.pipeline.tables import tick_tables
 from moejax.parallel.pipeline.stages import StagePlan
 from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks, stack_lengths
 from moejax.parallel.sharding import batch_sharding, state_shardings
+from moejax.precision import Precision
 
 MTP_LAMBDA = 0.3
 BATCH, SEQ = 16, 8
@@ -52,10 +53,11 @@ def _config(layers: int = 9):
     return dataclasses.replace(get_model_preset("tiny"), num_hidden_layers=layers)
 
 
-def _model(config):
+def _model(config, precision: Precision = Precision.BF16):
     """(graph, params, random router biases) of the model, and random tokens."""
     graphdef, params, biases = nnx.split(
-        DeepseekV3(config, rngs=nnx.Rngs(0), dtype=jnp.float32), nnx.Param, RouterBias)
+        DeepseekV3(config, rngs=nnx.Rngs(0), dtype=jnp.float32, precision=precision),
+        nnx.Param, RouterBias)
     biases = jax.tree.map(
         lambda b: 0.05 * jax.random.normal(jax.random.key(1), b.shape, b.dtype), biases)
     tokens = jax.random.randint(jax.random.key(2), (BATCH, SEQ + 1), 0, config.vocab_size)
@@ -114,6 +116,7 @@ def test_executor_matches_whole_batch_step(problem, name, spec):
 
 
 def _all_reduces(texts) -> list[str]:
+    """The all-reduce and reduce-scatter instructions in HLO computations' texts."""
     return [line for text in texts for line in text.splitlines()
             if re.search(r"\b(all-reduce|reduce-scatter)(-start)?\(", line)]
 
@@ -130,7 +133,9 @@ def _assert_tick_loop_reduces_no_gradients(hlo: str, params) -> None:
     loop all-reduces only routing totals and losses (integers, and a few floats per MoE
     block), never a parameter's gradient, which are summed once, after the loop. (Manual
     over ``pipe`` only, every B tick all-reduced its gradients: session 39.)"""
-    in_loop = _all_reduces(with_callees(hlo, loop_bodies(hlo)))
+    ticks = loop_bodies(hlo, within=entry(hlo))
+    assert len(ticks) == 1, "the tick loop is not the step's one outer loop"
+    in_loop = _all_reduces(with_callees(hlo, ticks))
     sizes = [v[...].size for _, v in nnx.to_flat_state(params)]
     assert in_loop, "the tick loop lost its routing totals"
     assert max(map(_float_elements, in_loop)) < min(sizes), in_loop
@@ -139,31 +144,41 @@ def _assert_tick_loop_reduces_no_gradients(hlo: str, params) -> None:
     assert sum(map(_float_elements, _all_reduces(computations(hlo).values()))) >= embedding
 
 
-def test_executor_with_fp8_tokens_matches_the_sharded_step():
-    """FP8 token transport: DualPipe's F&B ticks pair pieces whose dispatch sends FP8 rows;
-    the oracle is the unpipelined step on the same expert mesh with the same FP8 tokens.
-    Both quantize the same rows, so the losses agree far inside FP8's error; the expert
-    outputs' gradient also travels in FP8, and it is computed per micro-batch here, whole
-    there (float32 rounding apart), so a few of its elements round to neighbouring E4M3
-    values (steps of 6-12%): the gradients agree to about 1%. Three layers (a dense block
-    and a MoE block in stage 0, a MoE block in stage 1) keep the two compiles short."""
+def test_executor_with_fp8_matches_the_sharded_step():
+    """DeepSeek-V3's FP8 recipe, FP8 token transport included: DualPipe's F&B ticks pair
+    pieces whose dispatch sends FP8 rows, and the linears run FP8 GEMMs. The oracle is the
+    unpipelined step on the same expert mesh with the same settings. Both quantize the
+    same rows for the forward, so the losses agree far inside FP8's error. The backward's
+    quantizations (the expert outputs' gradient on the wire, the wgrads' 128-token tiles)
+    see a micro-batch here and the whole batch there, so elements round to different E4M3
+    neighbours (steps of 6-12%): the pipelined gradients must be as close to the float32
+    model's as the unpipelined ones are (a few per cent on most leaves). (Before session 41 this step hung on CPU: the
+    partitioner put collectives in branches of the tick's switch that only some ranks
+    take.) Three layers (a dense block and a MoE block in stage 0, a MoE block in stage 1)
+    keep the compiles short."""
     config = _config(layers=3)
-    graphdef, params, biases, tokens = _model(config)
+    graphdef, params, biases, tokens = _model(config, Precision.FP8)
+    exact_graph = _model(config)[0]
     spec = MeshSpec(pipe=2, expert=4)
     executor = PipelineExecutor(build("dualpipe", 2, 4), graphdef, config, jnp.float32,
                                 MTP_LAMBDA)
-    options = ExpertParallelOptions(token_format="fp8")
 
-    def loss_fn(params):
-        out = nnx.merge(graphdef, params, biases).losses(tokens[:, :-1], tokens[:, 1:])
+    def loss_fn(params, graph):
+        out = nnx.merge(graph, params, biases).losses(tokens[:, :-1], tokens[:, 1:])
         return out.main + MTP_LAMBDA * out.mtp + out.aux_loss
 
-    with jax.set_mesh(build_mesh(spec)), expert_parallel_options(options):
-        assert any(executor.runs_pieces(w) for w in executor.programs[0])
-        total, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
-        result = jax.jit(executor.step)(pad_stacks(params, config, 2), biases, tokens)
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
+    with jax.set_mesh(build_mesh(spec)):
+        _, exact = grad_fn(params, exact_graph)
+        with expert_parallel_options(ExpertParallelOptions(token_format="fp8")):
+            assert any(executor.runs_pieces(w) for w in executor.programs[0])
+            total, grads = grad_fn(params, graphdef)
+            result = jax.jit(executor.step)(pad_stacks(params, config, 2), biases, tokens)
     np.testing.assert_allclose(result.total, total, rtol=1e-5)
-    assert _max_relative_error(grads, logical_stacks(result.grads, config)) < 2e-2
+    whole = _max_relative_error(exact, grads)
+    pipelined = _max_relative_error(exact, logical_stacks(result.grads, config))
+    # FP8 moves the smallest gradients most (a norm weight's, 1e-6, by about half of it)
+    assert 0 < whole and pipelined < 1.1 * whole, (whole, pipelined)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -231,7 +246,7 @@ def test_batch_that_micro_batches_cannot_split_per_device_is_named(problem):
     executor = PipelineExecutor(build("gpipe", 1, 4), graphdef, config, jnp.float32,
                                 MTP_LAMBDA)
     with jax.set_mesh(build_mesh(MeshSpec(data=2, expert=4))):
-        with pytest.raises(ValueError, match=r"batch 16: must be divisible by the 4 "
+        with pytest.raises(ConfigError, match=r"batch 16: must be divisible by the 4 "
                                              r"micro-batches x the 8 devices"):
             executor.step(pad_stacks(params, config, 1), biases, tokens)
 
@@ -293,10 +308,3 @@ def test_peak_memory_is_reported_per_pipe_rank():
     assert _peak_bytes(mesh) == (7, 3)
     grid[1, 1] = device(None)
     assert _peak_bytes(mesh) is None
-
-
-def _float_elements(instruction: str) -> int:
-    """Float elements in the result shape of one HLO instruction (a tuple counts all)."""
-    shape = instruction.split("=", 1)[1].split("all-reduce", 1)[0]
-    return sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-               for dims in re.findall(r"\b(?:f32|bf16|f16)\[([\d,]*)\]", shape))

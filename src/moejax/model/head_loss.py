@@ -121,9 +121,9 @@ def _scan_per_device(h: jax.Array, kernel: jax.Array, labels: jax.Array, positio
                      axes: tuple[str, ...], with_grads: bool):
     """``_scan`` where the batch is split over the mesh ``axes`` (none: as is): each device
     scans its own rows, then the means (loss, dW) are averaged across the devices and each
-    row's dh scaled to the global mean (equal shards: ``head_cross_entropy`` checked). dW leaves
-    whole: a reduce-scatter along H (half the bytes) gave the pipeline executor's ticks a
-    gradient layout unlike its init's, which compiles the tick range twice (session 37)."""
+    row's dh scaled to the global mean (equal shards: ``head_cross_entropy`` checked). dW
+    leaves whole; a reduce-scatter along H would move half the bytes (session 37 kept it
+    whole for the pipeline executor, which no longer comes here: its axes are manual)."""
     if not axes:
         return _scan(h, kernel, labels, positions, with_grads)
 

@@ -39,7 +39,8 @@ from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import dispatch, sorted_weights, sum_copies
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
-from moejax.parallel.sharding import BATCH, check_batch_divides, per_device
+from moejax.parallel.sharding import (BATCH, check_batch_divides, manual_batch_axes,
+                                      mesh_batch_axes, per_device)
 
 EXPERT_AXIS = "expert"
 TRANSPORTS = ("auto", "padded", "ragged")
@@ -650,8 +651,8 @@ def expert_layout(config: ModelConfig, batch: int) -> tuple[int, tuple[str, ...]
     if config.n_routed_experts % ep:
         raise ConfigError(f"n_routed_experts={config.n_routed_experts}: must be divisible by "
                           f"the expert mesh axis size {ep}")
-    batch_axes = tuple(a for a in BATCH if a in mesh.axis_names)
-    if EXPERT_AXIS not in mesh.manual_axes:  # else ``batch`` is one device's rows already
+    batch_axes = mesh_batch_axes()
+    if not manual_batch_axes():  # else ``batch`` is one device's rows already
         check_batch_divides(batch, batch_axes)
     return ep, batch_axes
 

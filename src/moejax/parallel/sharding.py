@@ -107,21 +107,27 @@ def traced_batch_axes() -> tuple[str, ...]:
     return tuple(a for a in BATCH if sizes.get(a, 1) > 1 and a not in mesh.manual_axes)
 
 
+def mesh_batch_axes() -> tuple[str, ...]:
+    """The batch axes (data, expert) the mesh being traced under has, size one included."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(a for a in BATCH if a in mesh.axis_names)
+
+
 def manual_batch_axes() -> tuple[str, ...]:
     """The batch axes of the mesh that an enclosing ``shard_map`` (the pipeline
     executor's) is already manual over, size one included: values here are one device's
     rows, typed as varying over these, and a mean over the batch is a ``pmean`` over
     them."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return () if mesh.empty else tuple(a for a in BATCH if a in mesh.manual_axes)
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return tuple(a for a in mesh_batch_axes() if a in manual)
 
 
 def per_device(body: Callable, axes: tuple[str, ...], in_specs: Any, out_specs: Any
                ) -> Callable:
     """``body`` as a ``shard_map`` over the mesh, or ``body`` itself where the trace is
     already manual over ``axes`` (an enclosing ``shard_map`` has split the values, and
-    every collective inside ``body`` means the same there). Why: the MoE layers and the
-    fused head run per device either way, whether or not their caller is."""
+    every collective inside ``body`` means the same there). Why: the MoE layers run per
+    device either way, whether or not their caller is."""
     manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)
     inside = [a for a in axes if a in manual]
     if inside and len(inside) < len(axes):

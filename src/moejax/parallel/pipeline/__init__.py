@@ -2,7 +2,7 @@
 
 ``build(name, P, M)`` gives per-rank op lists; ``simulate`` turns them into timelines
 (bubbles, in-flight activations); ``timeline.render`` draws them. Pure Python: the
-executor over the ``pipe`` mesh axis (``executor``, on the model cut by ``stages``; not
+executor over the mesh (``executor``, on the model cut by ``stages``; not
 imported here, as it needs jax) consumes the same ``Schedule`` objects; ``fb_pair``
 interleaves an F&B pair of expert-parallel MoE blocks piece by piece.
 """

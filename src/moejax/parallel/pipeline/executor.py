@@ -10,10 +10,10 @@ stage or none, shape of the B stage or none), see :class:`Work`, so an F&B tick 
 straight-line computation holding both chunks, with no nested conditional between them.
 
 Per device. Each device holds its share of every micro-batch (the batch split over
-``data`` x ``expert``) and its own routed experts; the MoE layers and the fused head see
-that their axes are already manual and run their per-device bodies as they are
-(``sharding.per_device``), their collectives included (the expert exchange, the routing
-totals, the losses' ``pmean``). The held parameters are typed as varying over every axis
+``data`` x ``expert``) and its own routed experts; the MoE layers see that their axes are
+already manual and run their per-device bodies as they are (``sharding.per_device``),
+their collectives included (the expert exchange, the routing totals), and the fused head
+scans this device's rows and ``pmean``s the loss. The held parameters are typed as varying over every axis
 right after the fetch, so each tick's backward leaves this device's partial gradients
 and no collective over the batch axes sits in a tick: the transpose of that typing,
 applied once when the step ends, sums them over ``data`` and ``expert`` (and over
@@ -72,7 +72,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from pallas_kernels.varying import mark_varying, varying_axes
 
-from moejax.config import ModelConfig
+from moejax.config import ConfigError, ModelConfig
 from moejax.model import DeepseekV3, ModelLosses
 from moejax.parallel.expert import EXPERT_AXIS, expert_axis_size, varying_over
 from moejax.parallel.pipeline.paired import Chunk, fb_tick, pairs_pieces
@@ -81,7 +81,7 @@ from moejax.parallel.pipeline.storage import map_leaves
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import (StagePlan, StageRows, StageShape, StageStats,
                                              add_stats, stage_forward)
-from moejax.parallel.sharding import BATCH, param_logical_axes
+from moejax.parallel.sharding import check_batch_divides, mesh_batch_axes, param_logical_axes
 from moejax.parallel.pipeline.tables import ACT_SOURCES, GRAD_SOURCES, TickTables, tick_tables
 from moejax.profiling import median_seconds
 
@@ -108,7 +108,7 @@ class Work(NamedTuple):
 class Carry(NamedTuple):
     acts: jax.Array  # (act entries, b, S, H) stage inputs in flight
     grad_in: jax.Array  # (grad entries, b, S, H) gradients w.r.t. stage outputs
-    grads: nnx.State  # gradients of this rank's held parameters so far
+    grads: nnx.State  # this device's part of its held parameters' gradients so far
     stats: StageStats  # this rank's forward stats summed so far
 
 
@@ -313,15 +313,14 @@ class PipelineExecutor:
             return P(*stacked, *(EXPERT_AXIS if a == "expert" else None
                                  for a in axes[len(stacked):]))
 
-        return map_leaves(params, spec), P(tuple(a for a in BATCH if a in mesh.axis_names))
+        return map_leaves(params, spec), P(mesh_batch_axes())
 
     def _check_batch(self, batch: int, axes: P) -> None:
         """Every micro-batch splits evenly over the batch axes (a clear error if not)."""
-        sizes = dict(jax.sharding.get_abstract_mesh().shape)
-        shards = int(np.prod([sizes[a] for a in axes[0]]))
+        shards = check_batch_divides(batch, axes[0])
         m = self.schedule.num_microbatches
         if batch % (shards * m):
-            raise ValueError(f"batch {batch}: must be divisible by the {m} micro-batches "
+            raise ConfigError(f"batch {batch}: must be divisible by the {m} micro-batches "
                              f"x the {shards} devices of the batch axes {axes[0]}")
 
     # --- public -----------------------------------------------------------------------
@@ -414,8 +413,7 @@ class PipelineExecutor:
 def everywhere(tree: Any) -> Any:
     """``tree`` typed as varying over ``pipe`` and the mesh's batch axes (call in the step's
     shard_map): what each device holds of the step's buffers and gradients."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return varying_over(tree, (PIPE_AXIS, *(a for a in BATCH if a in mesh.axis_names)))
+    return varying_over(tree, (PIPE_AXIS, *mesh_batch_axes()))
 
 
 def per_rank(tree: Any) -> Any:

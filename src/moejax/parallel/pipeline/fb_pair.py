@@ -53,9 +53,9 @@ How XLA is led to overlap them (the default ``order="free"``):
    synchronously, so on CPU the pair is checked for its results only.
 3. What no pairing hides: the ragged transport's small all_gather of per-expert counts
    (its exchange plan) inside the attention piece, and the gradients' ``psum`` over the
-   batch axes, done once after the pair (parameters are marked varying inside, so each
-   piece's backward gives this device's partial gradients and no collective sits inside a
-   compute piece).
+   batch axes, done once after the pair (inside the pipeline executor, once a step: its
+   parameters are marked varying, so each piece's backward gives this device's partial
+   gradients and no collective sits inside a compute piece).
 
 ``order`` picks among three ways to run the same pieces (:data:`ORDERS`): ``free`` (the
 above), ``lockstep`` (``lax.optimization_barrier`` over both chains' whole state after
@@ -98,7 +98,7 @@ from moejax.parallel.expert import (
     make_transport,
     varying_over,
 )
-from moejax.parallel.sharding import param_logical_axes, per_device
+from moejax.parallel.sharding import manual_batch_axes, param_logical_axes, per_device
 
 Values = dict[str, Any]  # float arrays a piece differentiates through
 Meta = dict[str, Any]  # routing decisions and layouts (integers): carried, not differentiated
@@ -326,7 +326,7 @@ class Backward(NamedTuple):
     """A backward chunk of a stack on one micro-batch."""
 
     d_h: jax.Array  # (B, S, H) gradient w.r.t. the first block's input
-    d_params: nnx.State  # like Stack.params, summed over devices
+    d_params: nnx.State  # like Stack.params, summed over devices (in the executor: mine)
 
 
 def _param_specs(params: nnx.State) -> nnx.State:
@@ -367,7 +367,7 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
     h_any = forward[1] if forward is not None else backward[2]
     ep, batch_axes = expert_layout(config, h_any.shape[0])
     tokens = P(batch_axes)
-    local_grads = EXPERT_AXIS in jax.sharding.get_abstract_mesh().manual_axes
+    local_grads = bool(manual_batch_axes())
 
     def body(f_in, b_in):
         batch, seq, _ = (f_in[1] if f_in is not None else b_in[2]).shape

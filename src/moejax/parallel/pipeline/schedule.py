@@ -1,7 +1,7 @@
 """Pipeline schedules as data: per rank, the ordered ops an executor runs.
 
 A schedule fixes *what* each pipeline rank computes and in which order, never *when*:
-the executor (jit + shard_map over the ``pipe`` axis) walks each rank's op list, and
+the executor (jit + shard_map over the mesh) walks each rank's op list, and
 :mod:`.simulate` derives times, bubbles and memory from the same lists.
 
 Vocabulary (DualPipe paper): a *stage* is a contiguous slice of layers; a micro-batch
