@@ -102,6 +102,10 @@ def test_executor_matches_whole_batch_step(problem, name, spec):
         compiled = jax.jit(executor.step).lower(*args).compile()
         result = compiled(*args)
     _assert_tick_loop_reduces_no_gradients(compiled.as_text(), params)
+    # ZeRO-3 shards: gathered once, their gradients reduce-scattered back to that layout
+    assert ("reduce-scatter(" in compiled.as_text()) == (spec.data > 1)
+    grad, stored = (tree["embed_tokens"][...] for tree in (result.grads, args[0]))
+    assert grad.sharding.is_equivalent_to(stored.sharding, grad.ndim)
     np.testing.assert_allclose(result.total, total, rtol=2e-6)
     np.testing.assert_allclose(result.main, main, rtol=2e-6)
     np.testing.assert_allclose(result.mtp, mtp, rtol=2e-6)

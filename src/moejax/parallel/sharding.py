@@ -18,7 +18,7 @@ from typing import Any, Callable, Literal
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.config import ConfigError
 
@@ -72,7 +72,7 @@ def param_logical_axes(path: tuple[Any, ...], ndim: int) -> tuple[str | None, ..
 
 
 def _spec(shape: tuple[int, ...], axes: tuple[str | None, ...], rules: dict[str, str | None],
-          mesh: Mesh) -> P:
+          mesh: Mesh | AbstractMesh) -> P:
     sizes = dict(mesh.shape)
     out = []
     for dim, axis in zip(shape, axes):
@@ -82,13 +82,20 @@ def _spec(shape: tuple[int, ...], axes: tuple[str | None, ...], rules: dict[str,
     return P(*out)
 
 
+def param_specs(state: nnx.State, mesh: Mesh | AbstractMesh, zero: ZeroStage = 3
+                ) -> nnx.State:
+    """The state's own tree with the PartitionSpec of every array (the rules' layout)."""
+    rules = logical_to_mesh(zero)
+    return nnx.from_flat_state([
+        (path, variable.replace(_spec(variable.shape, param_logical_axes(path, variable.ndim),
+                                      rules, mesh)))
+        for path, variable in nnx.to_flat_state(state)])
+
+
 def state_shardings(state: nnx.State, mesh: Mesh, zero: ZeroStage = 3) -> nnx.State:
     """The state's own tree with a NamedSharding in place of every array (for jit/device_put)."""
-    rules = logical_to_mesh(zero)
-    flat = [(path, variable.replace(NamedSharding(
-                mesh, _spec(variable.shape, param_logical_axes(path, variable.ndim), rules, mesh))))
-            for path, variable in nnx.to_flat_state(state)]
-    return nnx.from_flat_state(flat)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(state, mesh, zero),
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

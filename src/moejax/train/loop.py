@@ -48,7 +48,7 @@ def pipelined(graphdef: Any, cfg: ExperimentConfig) -> LossAndGrads | None:
         return None
     schedule = build_schedule(cfg.train.pipeline_schedule, cfg.mesh.pipe, cfg.num_microbatches)
     return PipelineExecutor(schedule, graphdef, cfg.model, jnp.dtype(cfg.train.compute_dtype),
-                            cfg.train.mtp_lambda).loss_and_grads
+                            cfg.train.mtp_lambda, zero_stage=cfg.train.zero_stage).loss_and_grads
 
 
 class _Dispatched(NamedTuple):

@@ -15,9 +15,10 @@ already manual and run their per-device bodies as they are (``sharding.per_devic
 their collectives included (the expert exchange, the routing totals), and the fused head
 scans this device's rows and ``pmean``s the loss. The held parameters are typed as varying over every axis
 right after the fetch, so each tick's backward leaves this device's partial gradients
-and no collective over the batch axes sits in a tick: the transpose of that typing,
-applied once when the step ends, sums them over ``data`` and ``expert`` (and over
-``pipe`` for the parameters every rank holds whole). Left to the partitioner (manual over
+and no collective over the batch axes sits in a tick: the transposes of that typing and
+of the step's one ZeRO-3 all-gather, applied once when the step ends, sum them over
+``data`` and ``expert`` (a reduce-scatter over ``data`` where the parameter is stored in
+shards; and over ``pipe`` for the parameters every rank holds whole). Left to the partitioner (manual over
 ``pipe`` only), every B tick all-reduced its gradients at once: on one rank of
 ``expert=4`` the executor ran at about a third of the whole-batch step's tokens/s
 (session 39).
@@ -35,8 +36,8 @@ applied once when the step ends, sums them over ``data`` and ``expert`` (and ove
 Memory. The buffers have the entries the schedule keeps in flight on the busiest rank
 (``TickTables.buffer_sizes``: at most its activation bound + 1, one input waiting for its
 F), each one micro-batch's stage input (this device's rows of it). Parameters are stored
-as the normal model tree, stacked layers split over ``pipe``; the step's entry gathers
-ZeRO-3 shards over ``data`` once (routed experts stay split over ``expert``), and before
+as the normal model tree, stacked layers split over ``pipe``; the step gathers ZeRO-3
+shards over ``data`` once (routed experts stay split over ``expert``), and before
 the first tick each rank fetches the rows of its own stages (:mod:`.placement`: 1x the
 layers over the pipe for GPipe, 1F1B and DualPipeV, 2x for DualPipe); after the last one
 the fetch's VJP returns their gradients to where they are stored. Router counts sum over
@@ -74,14 +75,15 @@ from pallas_kernels.varying import mark_varying, varying_axes
 
 from moejax.config import ConfigError, ModelConfig
 from moejax.model import DeepseekV3, ModelLosses
-from moejax.parallel.expert import EXPERT_AXIS, expert_axis_size, varying_over
+from moejax.parallel.expert import expert_axis_size, varying_over
 from moejax.parallel.pipeline.paired import Chunk, fb_tick, pairs_pieces
 from moejax.parallel.pipeline.placement import PIPE_AXIS, ParamPlacement, sum_over_pipe
 from moejax.parallel.pipeline.storage import map_leaves
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import (StagePlan, StageRows, StageShape, StageStats,
                                              add_stats, stage_forward)
-from moejax.parallel.sharding import check_batch_divides, mesh_batch_axes, param_logical_axes
+from moejax.parallel.sharding import (ZeroStage, check_batch_divides, mesh_batch_axes,
+                                      param_specs)
 from moejax.parallel.pipeline.tables import ACT_SOURCES, GRAD_SOURCES, TickTables, tick_tables
 from moejax.profiling import median_seconds
 
@@ -135,6 +137,7 @@ class PipelineExecutor:
     compute_dtype: Any  # dtype of activations between stages
     mtp_lambda: float
     pair_pieces: bool = True  # F&B ticks piece by piece where they can (module docstring)
+    zero_stage: ZeroStage = 3  # how the parameters are stored over ``data`` (sharding rules)
 
     @functools.cached_property
     def plan(self) -> StagePlan:
@@ -279,13 +282,16 @@ class PipelineExecutor:
         return StepResult(mean(s.loss), mean(s.main), mean(s.mtp), mean(s.aux), s.counts,
                           s.dropped, s.cross_node, grads)
 
-    def _held(self, params: nnx.State) -> tuple[nnx.State, Callable]:
+    def _held(self, params: nnx.State, specs: nnx.State) -> tuple[nnx.State, Callable]:
         """This rank's held parameters, typed as varying over every device so each tick's
-        gradients stay this device's part, and the VJP of fetching and typing them: it
-        sums those parts over the batch axes (and over ``pipe`` for whole parameters) once,
-        and sends stack rows back to where they are stored (call in shard_map)."""
+        gradients stay this device's part, and the VJP of gathering, fetching and typing
+        them, applied once: it sums those parts over the devices (a reduce-scatter over
+        ``data`` where ZeRO-3 stores shards, the gather's transpose; all-reduces elsewhere,
+        the typing's) and sends stack rows back to where they are stored (call in
+        shard_map; ``specs`` as ``_specs`` gives them)."""
         rank = jax.lax.axis_index(PIPE_AXIS)
-        return jax.vjp(lambda p: everywhere(self.placement.fetch(p, rank)), params)
+        return jax.vjp(lambda p: everywhere(self.placement.fetch(_gather_data(p, specs), rank)),
+                       params)
 
     def _ticks(self, held: nnx.State, biases: nnx.State, mb_tokens: jax.Array, carry: Carry,
                start: int | jax.Array, stop: int | jax.Array) -> Carry:
@@ -297,23 +303,16 @@ class PipelineExecutor:
             carry)
 
     def _specs(self, params: nnx.State) -> tuple[nnx.State, P]:
-        """``shard_map`` specs of the stored parameters (stacks by their layer axis over
-        ``pipe``, routed experts over ``expert``, whole over ``data``: ZeRO-3 shards are
-        gathered once as the step enters) and of the token batch (over the batch axes)."""
+        """``shard_map`` specs of the parameters as the train state stores them (stacks by
+        their layer axis over ``pipe``, routed experts over ``expert``, ZeRO-3 shards over
+        ``data``; their gradients leave the same way) and of the token batch (over the
+        batch axes)."""
         mesh = jax.sharding.get_abstract_mesh()
         if dict(mesh.shape).get("tensor", 1) > 1:
             raise ValueError(f"the pipeline executor has no tensor parallelism: mesh "
                              f"tensor={dict(mesh.shape)['tensor']}; use 1")
-        over_pipe = {path: tuple(v.get_value())
-                     for path, v in nnx.to_flat_state(self.placement.specs(params))}
-
-        def spec(path: tuple, value: jax.Array) -> P:
-            axes = param_logical_axes(path, value.ndim)
-            stacked = over_pipe[path]  # (pipe,) for a stack's layer axis, () otherwise
-            return P(*stacked, *(EXPERT_AXIS if a == "expert" else None
-                                 for a in axes[len(stacked):]))
-
-        return map_leaves(params, spec), P(mesh_batch_axes())
+        self.placement.specs(params)  # raises for a stack not padded to a multiple of pipe
+        return param_specs(params, mesh, self.zero_stage), P(mesh_batch_axes())
 
     def _check_batch(self, batch: int, axes: P) -> None:
         """Every micro-batch splits evenly over the batch axes (a clear error if not)."""
@@ -332,7 +331,7 @@ class PipelineExecutor:
         self._check_batch(tokens.shape[0], batch)
 
         def body(params, biases, tokens):
-            held, unfetch = self._held(params)
+            held, unfetch = self._held(params, specs)
             mb_tokens = split_microbatches(tokens, m)
             carry = self._init(held, biases, mb_tokens)
             carry = self._ticks(held, biases, mb_tokens, carry, 0, self.tables.num_ticks)
@@ -358,14 +357,14 @@ class PipelineExecutor:
             return jax.jit(jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs))
 
         return TimingPrograms(
-            held=sharded(lambda p: stack(self._held(p)[0]), (specs,), device),
+            held=sharded(lambda p: stack(self._held(p, specs)[0]), (specs,), device),
             init=sharded(lambda h, b, tok: stack(self._init(mine(h), b,
                                                             split_microbatches(tok, m))),
                          (device, P(), batch), carry),
             ticks=sharded(lambda h, b, tok, c, start, stop: stack(self._ticks(
                 mine(h), b, split_microbatches(tok, m), mine(c), start, stop)),
                           (device, P(), batch, carry, P(), P()), carry),
-            finish=sharded(lambda p, c: self._finish(mine(c), self._held(p)[1], m),
+            finish=sharded(lambda p, c: self._finish(mine(c), self._held(p, specs)[1], m),
                            (specs, carry), StepResult(*(P(),) * 7, specs)))
 
     def timed_step(self, params: nnx.State, biases: nnx.State, tokens: jax.Array,
@@ -408,6 +407,20 @@ class PipelineExecutor:
         r = self.step(params, biases, tokens)
         out = ModelLosses(r.main, r.mtp, r.counts, r.aux, r.dropped, r.cross_node)
         return (r.total, (r.main, r.mtp, out)), r.grads
+
+
+def _gather_data(params: nnx.State, specs: nnx.State) -> nnx.State:
+    """Each parameter whole over ``data`` (ZeRO-3 stores shards; call in the step's
+    shard_map): one all-gather a parameter as the step begins, whose transpose
+    reduce-scatters its gradient as the step ends."""
+    dims = {path: [d for d, axis in enumerate(v.get_value()) if axis == "data"]
+            for path, v in nnx.to_flat_state(specs)}
+
+    def gather(path: tuple, value: jax.Array) -> jax.Array:
+        for dim in dims[path]:
+            value = jax.lax.all_gather(value, "data", axis=dim, tiled=True)
+        return value
+    return map_leaves(params, gather)
 
 
 def everywhere(tree: Any) -> Any:
