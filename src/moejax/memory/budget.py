@@ -354,7 +354,7 @@ def pipeline_terms(cfg: ExperimentConfig, mesh: MeshSpec, params: Any, micro_bat
     held = [0] * mesh.pipe
     for keys, variable in nnx.to_flat_state(params):
         leaf = variable.get_value()
-        # gathered over data, routed experts still split over expert (executor._specs)
+        # gathered over data, routed experts still split over expert (executor._gather_data)
         shape = [n // mesh.expert if axis == "expert" and n % mesh.expert == 0 else n
                  for n, axis in zip(leaf.shape, param_logical_axes(keys, leaf.ndim))]
         for rank in range(mesh.pipe):
