@@ -149,17 +149,17 @@ def _assert_tick_loop_reduces_no_gradients(hlo: str, params) -> None:
 
 
 def test_executor_with_fp8_matches_the_sharded_step():
-    """DeepSeek-V3's FP8 recipe, FP8 token transport included: DualPipe's F&B ticks pair
-    pieces whose dispatch sends FP8 rows, and the linears run FP8 GEMMs. The oracle is the
-    unpipelined step on the same expert mesh with the same settings. Both quantize the
-    same rows for the forward, so the losses agree far inside FP8's error. The backward's
+    """DeepSeek-V3's FP8 recipe, FP8 token transport included: DualPipe's F&B ticks pair pieces
+    whose dispatch sends FP8 rows, and the linears run FP8 GEMMs. The oracle is the
+    unpipelined step on the same expert mesh with the same settings. Both quantize the same
+    rows for the forward, so the losses agree far inside FP8's error. The backward's
     quantizations (the expert outputs' gradient on the wire, the wgrads' 128-token tiles)
     see a micro-batch here and the whole batch there, so elements round to different E4M3
     neighbours (steps of 6-12%): the pipelined gradients must be as close to the float32
-    model's as the unpipelined ones are (a few per cent on most leaves). (Before session 41 this step hung on CPU: the
-    partitioner put collectives in branches of the tick's switch that only some ranks
-    take.) Three layers (a dense block and a MoE block in stage 0, a MoE block in stage 1)
-    keep the compiles short."""
+    model's as the unpipelined ones are (a few per cent on most leaves). (Before session 41
+    this step hung on CPU: the partitioner put collectives in branches of the tick's switch
+    that only some ranks take.) Three layers (a dense block and a MoE block in stage 0, a
+    MoE block in stage 1) keep the compiles short."""
     config = _config(layers=3)
     graphdef, params, biases, tokens = _model(config, Precision.FP8)
     exact_graph = _model(config)[0]

@@ -89,6 +89,6 @@ def test_storage_pads_stacks_to_the_pipe_and_cuts_them_back():
     assert stored["embed_tokens"][...].shape == params["embed_tokens"][...].shape
     jax.tree.map(np.testing.assert_array_equal, logical_stacks(stored, config), params)
     _, placement = _placement("1f1b", 4, 10)
-    placement.specs(stored)
+    placement.check_stored(stored)
     with pytest.raises(ValueError, match=r"dense_blocks\..* 1 layer rows.*pipe=4 wants 4"):
-        placement.specs(params)
+        placement.check_stored(params)

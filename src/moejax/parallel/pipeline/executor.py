@@ -9,19 +9,19 @@ and a ``lax.scan`` walks the ticks. A tick runs one ``lax.switch`` over the tick
 stage or none, shape of the B stage or none), see :class:`Work`, so an F&B tick is one
 straight-line computation holding both chunks, with no nested conditional between them.
 
-Per device. Each device holds its share of every micro-batch (the batch split over
-``data`` x ``expert``) and its own routed experts; the MoE layers see that their axes are
-already manual and run their per-device bodies as they are (``sharding.per_device``),
-their collectives included (the expert exchange, the routing totals), and the fused head
-scans this device's rows and ``pmean``s the loss. The held parameters are typed as varying over every axis
-right after the fetch, so each tick's backward leaves this device's partial gradients
-and no collective over the batch axes sits in a tick: the transposes of that typing and
-of the step's one ZeRO-3 all-gather, applied once when the step ends, sum them over
-``data`` and ``expert`` (a reduce-scatter over ``data`` where the parameter is stored in
-shards; and over ``pipe`` for the parameters every rank holds whole). Left to the partitioner (manual over
-``pipe`` only), every B tick all-reduced its gradients at once: on one rank of
-``expert=4`` the executor ran at about a third of the whole-batch step's tokens/s
-(session 39).
+Per device. Each device holds its share of every micro-batch (the batch split over ``data``
+x ``expert``) and its own routed experts; the MoE layers see that their axes are already
+manual and run their per-device bodies as they are (``sharding.per_device``), their
+collectives included (the expert exchange, the routing totals), and the fused head scans
+this device's rows and ``pmean``s the loss. The held parameters are typed as varying over
+every axis right after the fetch, so each tick's backward leaves this device's partial
+gradients and no collective over the batch axes sits in a tick: the transposes of that
+typing and of the step's one ZeRO-3 all-gather, applied once when the step ends, sum them
+over ``data`` and ``expert`` (a reduce-scatter over ``data`` where the parameter is stored
+in shards; and over ``pipe`` for the parameters every rank holds whole). Left to the
+partitioner (manual over ``pipe`` only), every B tick all-reduced its gradients at once: on
+one rank of ``expert=4`` the executor ran at about a third of the whole-batch step's
+tokens/s (session 39).
 
 - F: the stage's forward (``stages.stage_forward``) on its input from the activation
   buffer (stage rows picked by traced local offsets);
@@ -311,7 +311,7 @@ class PipelineExecutor:
         if dict(mesh.shape).get("tensor", 1) > 1:
             raise ValueError(f"the pipeline executor has no tensor parallelism: mesh "
                              f"tensor={dict(mesh.shape)['tensor']}; use 1")
-        self.placement.specs(params)  # raises for a stack not padded to a multiple of pipe
+        self.placement.check_stored(params)
         return param_specs(params, mesh, self.zero_stage), P(mesh_batch_axes())
 
     def _check_batch(self, batch: int, axes: P) -> None:

@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import StagePlan
@@ -135,21 +134,17 @@ class ParamPlacement:
     def _stack_of(self, path: tuple) -> StackPlacement | None:
         return self.stacks.get(path[0]) if path and path[0] in STACKED else None
 
-    def specs(self, params: nnx.State) -> nnx.State:
-        """``shard_map`` specs over ``pipe``: stacks by their layer axis, the rest whole.
-        Raises ValueError for a stack not stored as ``storage.pad_stacks`` lays it out."""
-        def spec(path: tuple, value: jax.Array) -> P:
+    def check_stored(self, params: nnx.State) -> None:
+        """Raises ValueError for a stack not stored as ``storage.pad_stacks`` lays it out
+        (its layer axis then would not split over ``pipe`` in equal blocks)."""
+        for path, variable in nnx.to_flat_state(params):
             stack = self._stack_of(path)
-            if stack is None:
-                return P()
-            if value.shape[0] != stack.length:
+            if stack is not None and variable.shape[0] != stack.length:
                 raise ValueError(
-                    f"{'.'.join(map(str, path))}: stored with {value.shape[0]} layer rows, "
+                    f"{'.'.join(map(str, path))}: stored with {variable.shape[0]} layer rows, "
                     f"the pipeline over pipe={stack.ranks} wants {stack.length} (the stack "
                     f"padded to a multiple of pipe): pass storage.pad_stacks(params, config, "
                     f"{stack.ranks})")
-            return P(PIPE_AXIS)
-        return map_leaves(params, spec)
 
     def fetch(self, params: nnx.State, rank: jax.Array) -> nnx.State:
         """The parameters this rank computes with: stacks cut to its rows, the rest as is."""
