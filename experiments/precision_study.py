@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     tc = cfg.train
     print(f"preset {args.preset}: batch {tc.batch_size} x seq {tc.seq_len}, {args.steps} steps, "
           f"device {jax.devices()[0].device_kind}, remat {tc.remat}, "
-          f"attention {attention_implementation(tc)}, layer loop {layer_loop(cfg)}", flush=True)
+          f"attention {attention_implementation(cfg)}, layer loop {layer_loop(cfg)}", flush=True)
     if args.steps:
         runs, held_out = [], None
         for seed in range(tc.seed, tc.seed + args.seeds):

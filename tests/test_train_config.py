@@ -57,7 +57,7 @@ def test_cudnn_attention_is_refused_off_the_gpu():
     with pytest.raises(ConfigError, match=r"train.attention='cudnn': needs a CUDA GPU; this "
                                           r"process runs on cpu"):
         build_model(cfg, jax.random.key(0))
-    assert attention_implementation(get_experiment_preset("tiny").train) == "xla"
+    assert attention_implementation(get_experiment_preset("tiny")) == "xla"
 
 
 def test_cudnn_attention_is_refused_in_float32(monkeypatch):
@@ -73,12 +73,31 @@ def test_cudnn_attention_is_refused_in_float32(monkeypatch):
     f32 = apply_overrides(tiny, ["train.compute_dtype=float32", "train.attention=cudnn"])
     with pytest.raises(ConfigError, match=r"train.attention='cudnn': takes bfloat16 or "
                                           r"float16 inputs, and train.compute_dtype is float32"):
-        step.attention_implementation(f32.train)
+        step.attention_implementation(f32)
     auto = apply_overrides(tiny, ["train.attention=auto"])
     assert step.attention_implementation(
-        apply_overrides(auto, ["train.compute_dtype=float32"]).train) == "xla"
+        apply_overrides(auto, ["train.compute_dtype=float32"])) == "xla"
     assert step.attention_implementation(
-        apply_overrides(auto, ["train.compute_dtype=bfloat16"]).train) == "cudnn"
+        apply_overrides(auto, ["train.compute_dtype=bfloat16"])) == "cudnn"
+
+
+def test_cudnn_attention_is_kept_out_of_a_pipeline(monkeypatch):
+    """XLA:GPU segfaults compiling the pipelined step with cuDNN attention in it (session
+    42): with a pipe axis, "auto" picks XLA's attention even where it would pick cuDNN's,
+    and an explicit "cudnn" is refused by name before anything compiles."""
+    import jax
+
+    from moejax.train import step
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(step, "cuda_compute_capability", lambda: 9.0)
+    bf16 = apply_overrides(get_experiment_preset("tiny"), ["train.compute_dtype=bfloat16"])
+    piped = apply_overrides(bf16, ["mesh.pipe=2", "mesh.data=1"])
+    assert step.attention_implementation(bf16) == "cudnn"
+    assert step.attention_implementation(piped) == "xla"
+    with pytest.raises(ConfigError, match=r"train.attention='cudnn': cannot run under a "
+                                          r"pipeline \(mesh pipe=2\)"):
+        step.attention_implementation(apply_overrides(piped, ["train.attention=cudnn"]))
 
 
 def test_layer_loop_auto_unrolls_on_a_gpu_without_a_pipe_axis(monkeypatch):

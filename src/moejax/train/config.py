@@ -69,8 +69,9 @@ class TrainConfig:
     zero_stage: int = 3
     remat: str = "none"  # recompute policy: none | selective | full (moejax.memory.remat)
     precision: str = "bf16"  # GEMMs of attention and MLP linears: bf16 | fp8 (moejax.precision)
-    # softmax core: xla | cudnn (fused flash attention, CUDA GPUs) | auto (cudnn on a CUDA
-    # GPU, else xla: 1.30x the BF16 step and -16% memory on the small preset, H100)
+    # softmax core: xla | cudnn (fused flash attention, CUDA GPUs, no pipe axis) | auto (cudnn
+    # on a CUDA GPU without a pipe axis, else xla: 1.30x the BF16 step and -16% memory on the
+    # small preset, H100; under a pipeline XLA:GPU segfaults compiling it)
     attention: str = "auto"
     # block stacks under autodiff: scan (one compiled layer) | unrolled (one per layer: no
     # residual-stack copies; BF16 small preset on an H100: 0.87x the step time, -6% memory,

@@ -222,7 +222,7 @@ class Trainer:
                  f"process(es); ZeRO-{tc.zero_stage}; expert transport "
                  f"{cfg.expert_parallel.resolved_transport() if cfg.mesh.expert > 1 else 'none'}"
                  f" (tokens travel as {cfg.expert_parallel.token_format}); GEMMs "
-                 f"{tc.precision}, attention core {attention_implementation(tc)}, layer loop "
+                 f"{tc.precision}, attention core {attention_implementation(cfg)}, layer loop "
                  f"{layer_loop(cfg)}"
                  + (f"; pipeline {tc.pipeline_schedule} over {cfg.num_microbatches} "
                     "micro-batches" if cfg.mesh.pipe > 1 else ""))

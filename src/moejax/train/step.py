@@ -35,12 +35,17 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32 key data, split once per step
 
 
-def attention_implementation(train: TrainConfig) -> str:
+def attention_implementation(cfg: ExperimentConfig) -> str:
     """``train.attention`` resolved for this process: "auto" is cuDNN's fused attention on a
     CUDA GPU of compute capability >= 9.0 (Hopper and later: cuDNN's flash kernels take
     head dims up to 256 there, 128 before, and MLA's padded q/k/v width is 192 on
-    DeepSeek-V3) with a 16-bit compute dtype (its only inputs), and XLA's composition
-    elsewhere; "cudnn" off a GPU or in float32 is refused."""
+    DeepSeek-V3) with a 16-bit compute dtype (its only inputs) and no pipeline axis, and
+    XLA's composition elsewhere. "cudnn" off a GPU, in float32 or with a pipeline axis is
+    refused: XLA:GPU (jax 0.11.2, H100) segfaults compiling the pipeline executor's step
+    with cuDNN attention in it, for every schedule, in BF16 and FP8, while the same model
+    compiles with XLA's attention (docs/performance.md, "cuDNN attention under a
+    pipeline", session 42)."""
+    train, pipe = cfg.train, cfg.mesh.pipe
     choice, sixteen_bit = train.attention, jnp.dtype(train.compute_dtype).itemsize == 2
     if choice == "cudnn" and jax.default_backend() != "gpu":
         fail("train.attention", "cudnn", f"needs a CUDA GPU; this process runs on "
@@ -48,9 +53,13 @@ def attention_implementation(train: TrainConfig) -> str:
     if choice == "cudnn" and not sixteen_bit:
         fail("train.attention", "cudnn", f"takes bfloat16 or float16 inputs, and "
              f"train.compute_dtype is {train.compute_dtype}: use 'xla' or 'auto'")
+    if choice == "cudnn" and pipe > 1:
+        fail("train.attention", "cudnn", f"cannot run under a pipeline (mesh pipe={pipe}): "
+             f"XLA:GPU segfaults compiling the pipelined step with it; use 'xla' or 'auto'")
     if choice == "auto":
         capability = cuda_compute_capability()
-        return "cudnn" if sixteen_bit and capability is not None and capability >= 9.0 else "xla"
+        return ("cudnn" if sixteen_bit and pipe == 1 and capability is not None
+                and capability >= 9.0 else "xla")
     return choice
 
 
@@ -69,7 +78,7 @@ def build_model(cfg: ExperimentConfig, key: jax.Array) -> DeepseekV3:
     return DeepseekV3(cfg.model, rngs=nnx.Rngs(params=key),
                       dtype=jnp.dtype(cfg.train.compute_dtype), param_dtype=jnp.float32,
                       remat=cfg.train.remat, precision=Precision(cfg.train.precision),
-                      attention=attention_implementation(cfg.train),
+                      attention=attention_implementation(cfg),
                       unroll_layers=layer_loop(cfg) == "unrolled")
 
 
