@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moejax.config import ModelConfig, get_model_preset
 from moejax.model import DeepseekV3, RouterBias
@@ -36,6 +38,7 @@ from moejax.parallel.pipeline.fb_pair import ORDERS, Stack, run_pair
 from moejax.parallel.pipeline.placement import PIPE_AXIS
 from moejax.parallel.pipeline.schedule import build
 from moejax.parallel.pipeline.storage import pad_stacks
+from moejax.parallel.sharding import ZeroStage, batch_sharding, state_shardings
 from moejax.profiling import exposed_share, load_kernel_events, median_seconds, profile
 
 MTP_LAMBDA = 0.3
@@ -89,6 +92,18 @@ def _peak_bytes(mesh: jax.sharding.Mesh) -> tuple[int, ...] | None:
     return tuple(by_rank[r] for r in sorted(by_rank))
 
 
+def placed(problem: Problem, mesh: jax.sharding.Mesh, zero: ZeroStage
+           ) -> tuple[nnx.State, nnx.State, jax.Array]:
+    """The problem's parameters (stacks padded for the pipe), router biases and tokens where
+    training keeps them on ``mesh``. Left on the default device, every call of the step
+    re-sent them to the others first: on one rank of ``expert=2`` that was 53 peer copies
+    (11.5 ms) of the 278 ms step session 41 timed (docs/performance.md, session 42)."""
+    params = pad_stacks(problem.params, problem.config, dict(mesh.shape)[PIPE_AXIS])
+    return (jax.device_put(params, state_shardings(params, mesh, zero)),
+            jax.device_put(problem.biases, NamedSharding(mesh, P())),
+            jax.device_put(problem.tokens, batch_sharding(mesh)))
+
+
 def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: int,
                      repeats: int = 5, profile_dir: pathlib.Path | None = None,
                      pair_pieces: bool = True,
@@ -103,8 +118,7 @@ def measure_schedule(problem: Problem, name: str, mesh: MeshSpec, microbatches: 
     device_mesh = build_mesh(mesh, devices)
     with jax.set_mesh(device_mesh):
         result, step_s, ticks = executor.timed_step(
-            pad_stacks(problem.params, problem.config, mesh.pipe), problem.biases,
-            problem.tokens, repeats,
+            *placed(problem, device_mesh, executor.zero_stage), repeats,
             None if profile_dir is None else str(profile_dir / name))
     log(f"  {name}: step {step_s * 1e3:.2f} ms, ticks timed ({time.perf_counter() - start:.0f} s "
         "with compile)")
