@@ -24,7 +24,7 @@ from moejax.config import ConfigError, get_model_preset
 from moejax.model import DeepseekV3, RouterBias
 from moejax.parallel.expert import ExpertParallelOptions, expert_parallel_options
 from moejax.parallel.mesh import MeshSpec, build_mesh
-from moejax.parallel.pipeline import SCHEDULES, build
+from moejax.parallel.pipeline import SCHEDULES, build, measure
 from moejax.parallel.pipeline.executor import PipelineExecutor
 from moejax.parallel.pipeline.tables import tick_tables
 from moejax.parallel.pipeline.stages import StagePlan
@@ -268,6 +268,22 @@ def test_study_measures_the_executor(capsys, tmp_path):
     assert measured[0].split()[-2] == "-"  # exp. a2a
     assert list(tmp_path.glob("1f1b/plugins/profile/*/*.trace.json.gz"))
     assert "not run" in next(line for line in lines if line.startswith("gpipe "))
+
+
+def test_study_times_inputs_placed_as_training_keeps_them():
+    """The study hands the executor its parameters, biases and tokens in the train state's
+    layout: left on the default device, every timed call first re-sent them to the other
+    devices (53 peer copies in a 2-GPU step, session 42)."""
+    problem = measure.make_problem("tiny", 3, 8, 4, "float32")
+    mesh = build_mesh(MeshSpec(pipe=2, data=2, expert=2))
+    params, biases, tokens = measure.placed(problem, mesh, 3)
+    wanted = state_shardings(params, mesh, 3)
+    for (path, value), (_, sharding) in zip(nnx.to_flat_state(params),
+                                            nnx.to_flat_state(wanted)):
+        assert value[...].sharding.is_equivalent_to(sharding.get_value(), value[...].ndim), path
+    assert params["dense_blocks"]["input_layernorm"]["weight"][...].shape[0] == 2  # 1, padded
+    assert tokens.sharding.is_equivalent_to(batch_sharding(mesh), 2)
+    assert all(len(b.sharding.device_set) == mesh.size for b in jax.tree.leaves(biases))
 
 
 def test_timed_step_chain_equals_the_step_and_compiles_the_tick_range_once(monkeypatch):
