@@ -246,3 +246,23 @@ def test_cli_validates_a_mesh_on_this_hosts_devices(capsys):
     assert budget_cli(args + ["--mesh", "pipe=2,data=2"]) == 2
     err = capsys.readouterr().err
     assert "needs 16 devices, this host has 8" in err and "a pipe axis is not covered" in err
+
+
+def test_reduced_copies_run_the_attention_and_layer_loop_of_the_mesh(monkeypatch):
+    """The budget compiles one device's share of the step, but with the attention core and
+    layer loop the step resolves to on its own mesh: a pipelined step runs XLA's attention
+    and scanned layers (cuDNN's attention segfaulted XLA:GPU's compile under a pipeline,
+    session 42), so its reduced copies must too; an unpipelined one keeps cuDNN's."""
+    import jax
+
+    from moejax.train import step
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(step, "cuda_compute_capability", lambda: 9.0)
+    cfg = apply_overrides(get_experiment_preset("tiny"), ["train.compute_dtype=bfloat16"])
+    resolved = lambda pipe: (budget_model._at_depth(cfg, 2, 3, pipe).train.attention,  # noqa: E731
+                             budget_model._at_depth(cfg, 2, 3, pipe).train.layer_loop)
+    assert resolved(1) == ("cudnn", "unrolled")
+    assert resolved(2) == ("xla", "scan")
+    with pytest.raises(ConfigError, match=r"train.attention='cudnn': cannot run under a pipeline"):
+        budget_model._at_depth(apply_overrides(cfg, ["train.attention=cudnn"]), 2, 3, 2)

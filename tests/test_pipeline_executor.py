@@ -270,20 +270,30 @@ def test_study_measures_the_executor(capsys, tmp_path):
     assert "not run" in next(line for line in lines if line.startswith("gpipe "))
 
 
-def test_study_times_inputs_placed_as_training_keeps_them():
+def test_study_times_inputs_placed_as_training_keeps_them(monkeypatch):
     """The study hands the executor its parameters, biases and tokens in the train state's
     layout: left on the default device, every timed call first re-sent them to the other
     devices (53 peer copies in a 2-GPU step, session 42)."""
-    problem = measure.make_problem("tiny", 3, 8, 4, "float32")
-    mesh = build_mesh(MeshSpec(pipe=2, data=2, expert=2))
-    params, biases, tokens = measure.placed(problem, mesh, 3)
-    wanted = state_shardings(params, mesh, 3)
+    class Captured(Exception):
+        pass
+
+    def capture(self, params, biases, tokens, *rest):
+        raise Captured(self, params, biases, tokens)
+
+    monkeypatch.setattr(PipelineExecutor, "timed_step", capture)
+    problem, spec = measure.make_problem("tiny", 3, 8, 4, "float32"), MeshSpec(2, 2, 2)
+    with pytest.raises(Captured) as caught:
+        measure.measure_schedule(problem, "1f1b", spec, 4)
+    executor, params, biases, tokens = caught.value.args
+    mesh = build_mesh(spec, jax.devices()[:spec.size])
+    wanted = state_shardings(params, mesh, executor.zero_stage)
     for (path, value), (_, sharding) in zip(nnx.to_flat_state(params),
                                             nnx.to_flat_state(wanted)):
         assert value[...].sharding.is_equivalent_to(sharding.get_value(), value[...].ndim), path
     assert params["dense_blocks"]["input_layernorm"]["weight"][...].shape[0] == 2  # 1, padded
     assert tokens.sharding.is_equivalent_to(batch_sharding(mesh), 2)
-    assert all(len(b.sharding.device_set) == mesh.size for b in jax.tree.leaves(biases))
+    assert all(b.sharding.is_fully_replicated and len(b.sharding.device_set) == mesh.size
+               for b in jax.tree.leaves(biases))
 
 
 def test_timed_step_chain_equals_the_step_and_compiles_the_tick_range_once(monkeypatch):

@@ -35,7 +35,7 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32 key data, split once per step
 
 
-def attention_implementation(cfg: ExperimentConfig) -> str:
+def attention_implementation(cfg: ExperimentConfig, pipe: int | None = None) -> str:
     """``train.attention`` resolved for this process: "auto" is cuDNN's fused attention on a
     CUDA GPU of compute capability >= 9.0 (Hopper and later: cuDNN's flash kernels take
     head dims up to 256 there, 128 before, and MLA's padded q/k/v width is 192 on
@@ -44,8 +44,9 @@ def attention_implementation(cfg: ExperimentConfig) -> str:
     refused: XLA:GPU (jax 0.11.2, H100) segfaults compiling the pipeline executor's step
     with cuDNN attention in it, for every schedule, in BF16 and FP8, while the same model
     compiles with XLA's attention (docs/performance.md, "cuDNN attention under a
-    pipeline", session 42)."""
-    train, pipe = cfg.train, cfg.mesh.pipe
+    pipeline", session 42). ``pipe``: the pipeline stages to resolve for (default the
+    config's mesh; the memory budget compiles one device's share of a pipelined step)."""
+    train, pipe = cfg.train, pipe or cfg.mesh.pipe
     choice, sixteen_bit = train.attention, jnp.dtype(train.compute_dtype).itemsize == 2
     if choice == "cudnn" and jax.default_backend() != "gpu":
         fail("train.attention", "cudnn", f"needs a CUDA GPU; this process runs on "
@@ -63,14 +64,15 @@ def attention_implementation(cfg: ExperimentConfig) -> str:
     return choice
 
 
-def layer_loop(cfg: ExperimentConfig) -> str:
+def layer_loop(cfg: ExperimentConfig, pipe: int | None = None) -> str:
     """``train.layer_loop`` resolved for this process: "auto" is "unrolled" on a GPU without
     a pipeline axis (the scanned loop's residual-stack copies cost 13% of the BF16 `small`
     step there, docs/performance.md, session 27) and "scan" elsewhere: on a CPU compile
     time matters more, and a pipeline compiles each stage's layers in every schedule branch
-    (unrolled there: not yet measured)."""
+    (unrolled there: not yet measured). ``pipe`` as in :func:`attention_implementation`."""
     if cfg.train.layer_loop == "auto":
-        return "unrolled" if jax.default_backend() == "gpu" and cfg.mesh.pipe == 1 else "scan"
+        unpiped = (pipe or cfg.mesh.pipe) == 1
+        return "unrolled" if jax.default_backend() == "gpu" and unpiped else "scan"
     return cfg.train.layer_loop
 
 

@@ -338,6 +338,12 @@ def _param_specs(params: nnx.State) -> nnx.State:
                                 for path, v in nnx.to_flat_state(params)])
 
 
+def stack_specs(stack: Stack) -> Stack:
+    """How ``run_pair`` takes a stack over the mesh: routed experts split over ``expert``,
+    the rest (and the router-bias rows) whole."""
+    return Stack(_param_specs(stack.params), P())
+
+
 def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
              forward: tuple[Stack, jax.Array] | None = None,
              backward: tuple[Stack, Any, jax.Array, jax.Array] | None = None,
@@ -400,9 +406,8 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
         return (_forward_out(f, batch_axes),
                 _backward_out(b, b_in, () if local_grads else batch_axes))
 
-    specs = lambda stack: Stack(_param_specs(stack.params), P())  # noqa: E731
-    f_specs = None if forward is None else (specs(forward[0]), tokens)
-    b_specs = None if backward is None else (specs(backward[0]), tokens, tokens, P())
+    f_specs = None if forward is None else (stack_specs(forward[0]), tokens)
+    b_specs = None if backward is None else (stack_specs(backward[0]), tokens, tokens, P())
     f_out = None if forward is None else Forward(tokens, P(), P(), P(), P(), tokens)
     b_out = None if backward is None else Backward(tokens, _param_specs(backward[0].params))
     return per_device(body, batch_axes, in_specs=(f_specs, b_specs),

@@ -34,11 +34,12 @@ from moejax.config import ModelConfig, get_model_preset
 from moejax.model import DeepseekV3, RouterBias
 from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.parallel.pipeline.executor import PipelineExecutor
-from moejax.parallel.pipeline.fb_pair import ORDERS, Stack, run_pair
+from moejax.parallel.pipeline.fb_pair import ORDERS, Stack, run_pair, stack_specs
 from moejax.parallel.pipeline.placement import PIPE_AXIS
 from moejax.parallel.pipeline.schedule import build
 from moejax.parallel.pipeline.storage import pad_stacks
-from moejax.parallel.sharding import ZeroStage, batch_sharding, state_shardings
+from moejax.parallel.sharding import (ZeroStage, batch_sharding, mesh_batch_axes,
+                                      state_shardings)
 from moejax.profiling import exposed_share, load_kernel_events, median_seconds, profile
 
 MTP_LAMBDA = 0.3
@@ -170,7 +171,16 @@ def fb_pair(problem: Problem, mesh: MeshSpec, repeats: int = 10,
             order=order))
 
     results = {}
-    with jax.set_mesh(build_mesh(mesh, jax.devices()[:mesh.size])):
+    device_mesh = build_mesh(mesh, jax.devices()[:mesh.size])
+    with jax.set_mesh(device_mesh):
+        # Where run_pair takes them: left on the default device, every timed call would
+        # first re-send them (as ``placed`` says for the executor's step).
+        rows = P(mesh_batch_axes())
+        stack = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(device_mesh, spec)),
+                             stack_specs(stack), stack, is_leaf=lambda x: isinstance(x, P))
+        h_a, h_b, d_h = (jax.device_put(x, NamedSharding(device_mesh, rows))
+                         for x in (h_a, h_b, d_h))
+        d_balance = jax.device_put(d_balance, NamedSharding(device_mesh, P()))
         saved = jax.jit(lambda stack, h: run_pair(graphdef, config, forward=(stack, h))[0]
                         .saved)(stack, h_b)
         log("  micro-batch B's forward done (its residuals feed the backward chunk)")
