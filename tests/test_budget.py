@@ -252,17 +252,24 @@ def test_reduced_copies_run_the_attention_and_layer_loop_of_the_mesh(monkeypatch
     """The budget compiles one device's share of the step, but with the attention core and
     layer loop the step resolves to on its own mesh: a pipelined step runs XLA's attention
     and scanned layers (cuDNN's attention segfaulted XLA:GPU's compile under a pipeline,
-    session 42), so its reduced copies must too; an unpipelined one keeps cuDNN's."""
+    session 42), so its reduced copies must too; an unpipelined one keeps "auto"."""
     import jax
 
     from moejax.train import step
 
+    fitted = []
+    monkeypatch.setattr(budget_model, "depth_fit",
+                        lambda cfg, micro_batch, progress, expert_rows=None:
+                        fitted.append(cfg.train) or budget_model.DepthFit(0, 0, (2, 3)))
+    cfg = _tiny("train.batch_size=8")
+    budget_model.estimate(cfg, MeshSpec())
+    budget_model.estimate(cfg, MeshSpec(pipe=2))
+    assert [(t.attention, t.layer_loop) for t in fitted] == [("auto", "auto"), ("xla", "scan")]
+
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(step, "cuda_compute_capability", lambda: 9.0)
-    cfg = apply_overrides(get_experiment_preset("tiny"), ["train.compute_dtype=bfloat16"])
-    resolved = lambda pipe: (budget_model._at_depth(cfg, 2, 3, pipe).train.attention,  # noqa: E731
-                             budget_model._at_depth(cfg, 2, 3, pipe).train.layer_loop)
-    assert resolved(1) == ("cudnn", "unrolled")
-    assert resolved(2) == ("xla", "scan")
+    bf16 = apply_overrides(cfg, ["train.compute_dtype=bfloat16"])
+    resolved = budget_model._resolved_for(bf16, 2).train
+    assert (resolved.attention, resolved.layer_loop) == ("xla", "scan")
     with pytest.raises(ConfigError, match=r"train.attention='cudnn': cannot run under a pipeline"):
-        budget_model._at_depth(apply_overrides(cfg, ["train.attention=cudnn"]), 2, 3, 2)
+        budget_model._resolved_for(apply_overrides(bf16, ["train.attention=cudnn"]), 2)

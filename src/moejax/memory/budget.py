@@ -190,19 +190,24 @@ CALIBRATION_MOE_LAYERS = 4
 MEASURE_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
-def _at_depth(cfg: ExperimentConfig, micro_batch: int, moe_layers: int, pipe: int
-              ) -> ExperimentConfig:
-    """The dense layers and ``moe_layers`` MoE layers, one device, at the micro-batch, with
-    the attention core and layer loop the step resolves to on a mesh of ``pipe`` stages:
-    one device alone would resolve "auto" to cuDNN's attention and unrolled layers on a
-    GPU, where a pipelined step runs XLA's attention and scanned layers."""
+def _at_depth(cfg: ExperimentConfig, micro_batch: int, moe_layers: int) -> ExperimentConfig:
+    """The dense layers and ``moe_layers`` MoE layers, one device, at the micro-batch."""
     m = cfg.model
-    train = dataclasses.replace(cfg.train, batch_size=micro_batch,
-                                attention=attention_implementation(cfg, pipe),
-                                layer_loop=layer_loop(cfg, pipe))
     return dataclasses.replace(
         cfg, model=m.replace(num_hidden_layers=m.first_k_dense_replace + moe_layers),
-        mesh=MeshSpec(), train=train)
+        mesh=MeshSpec(), train=dataclasses.replace(cfg.train, batch_size=micro_batch))
+
+
+def _resolved_for(cfg: ExperimentConfig, pipe: int) -> ExperimentConfig:
+    """``cfg`` with its attention core and layer loop fixed to what the step picks on a
+    mesh of ``pipe`` stages. The reduced copies compile one device's share, which would
+    resolve "auto" as an unpipelined step does (cuDNN's attention and unrolled layers on a
+    GPU) where a pipelined step runs XLA's attention and scanned layers (session 42)."""
+    if pipe == 1:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, attention=attention_implementation(cfg, pipe),
+        layer_loop=layer_loop(cfg, pipe)))
 
 
 def _in_background(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
@@ -280,15 +285,14 @@ class DepthFit(NamedTuple):
 
 
 def depth_fit(cfg: ExperimentConfig, micro_batch: int, progress: Progress = _silent,
-              expert_rows: int | None = None, pipe: int = 1) -> DepthFit:
+              expert_rows: int | None = None) -> DepthFit:
     """Two copies of the step with 3 and 4 MoE layers (fewer if the model has fewer; XLA
     unrolls a one-trip layer scan, so one layer alone is not typical of the stack). The
     slope is XLA's own keep per layer: it counts what XLA fuses away or recomputes (an
     ``exp`` re-derived from its logits, a remat policy's recomputation), which a count of
     autodiff's residuals overstates, and how XLA packs the stack's buffers at depth.
     ``expert_rows``: the experts of each MoE layer run on an expert-parallel device's
-    receive buffer of that many rows (``expert_side_rows``). ``pipe``: the stages of the
-    mesh the step runs on (it picks the attention core and layer loop, ``_at_depth``)."""
+    receive buffer of that many rows (``expert_side_rows``)."""
     deep = min(cfg.model.num_moe_layers, CALIBRATION_MOE_LAYERS)
     shallow = max(deep - 1, 0)
     start = time.perf_counter()
@@ -296,7 +300,7 @@ def depth_fit(cfg: ExperimentConfig, micro_batch: int, progress: Progress = _sil
     for n in sorted({shallow, deep}):
         progress(f"memory budget: lowering the step with {n} MoE layer(s) and compiling it "
                  "to measure XLA's activation memory (minutes for an FP8 step on a GPU)")
-        started[n] = start_compile(_at_depth(cfg, micro_batch, n, pipe), True, expert_rows)
+        started[n] = start_compile(_at_depth(cfg, micro_batch, n), True, expert_rows)
     beyond = {}
     for n, (future, abstract) in started.items():
         analysis = future.result()
@@ -415,7 +419,7 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     pipeline = (pipeline_terms(cfg, mesh, abstract.params, micro_batch) if mesh.pipe > 1
                 else PipelineTerms(0, 1.0, 0))
     expert_rows = expert_side_rows(cfg, mesh, micro_batch, transport)
-    fit = depth_fit(cfg, micro_batch, progress, expert_rows, mesh.pipe)
+    fit = depth_fit(_resolved_for(cfg, mesh.pipe), micro_batch, progress, expert_rows)
     saved = fit.per_moe_layer * cfg.model.num_moe_layers
     gathered = (_gathered_layer(abstract.params, shardings.params, mesh.data)
                 if tc.zero_stage == 3 and mesh.data > 1 else 0)
