@@ -22,7 +22,7 @@ from moejax.model import DeepseekV3, RouterBias
 from moejax.model.routing import update_router_bias
 from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks
 from moejax.precision import Precision
-from moejax.train.config import ExperimentConfig, TrainConfig
+from moejax.train.config import ExperimentConfig
 from moejax.train.metrics import DEVICE_LOAD
 from moejax.train.optimizer import learning_rate, make_optimizer
 
