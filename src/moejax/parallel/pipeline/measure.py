@@ -175,12 +175,11 @@ def fb_pair(problem: Problem, mesh: MeshSpec, repeats: int = 10,
     with jax.set_mesh(device_mesh):
         # Where run_pair takes them: left on the default device, every timed call would
         # first re-send them (as ``placed`` says for the executor's step).
-        rows = P(mesh_batch_axes())
-        stack = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(device_mesh, spec)),
-                             stack_specs(stack), stack, is_leaf=lambda x: isinstance(x, P))
-        h_a, h_b, d_h = (jax.device_put(x, NamedSharding(device_mesh, rows))
-                         for x in (h_a, h_b, d_h))
-        d_balance = jax.device_put(d_balance, NamedSharding(device_mesh, P()))
+        sharded = lambda spec: NamedSharding(device_mesh, spec)  # noqa: E731
+        stack = jax.device_put(stack, jax.tree.map(sharded, stack_specs(stack),
+                                                   is_leaf=lambda x: isinstance(x, P)))
+        h_a, h_b, d_h = jax.device_put((h_a, h_b, d_h), sharded(P(mesh_batch_axes())))
+        d_balance = jax.device_put(d_balance, sharded(P()))
         saved = jax.jit(lambda stack, h: run_pair(graphdef, config, forward=(stack, h))[0]
                         .saved)(stack, h_b)
         log("  micro-batch B's forward done (its residuals feed the backward chunk)")
