@@ -100,10 +100,10 @@ def test_cudnn_attention_is_kept_out_of_a_pipeline(monkeypatch):
         step.attention_implementation(apply_overrides(piped, ["train.attention=cudnn"]))
 
 
-def test_layer_loop_auto_unrolls_on_a_gpu_without_a_pipe_axis(monkeypatch):
-    """"auto" unrolls the layers on a GPU (the faster step) and scans elsewhere (the shorter
-    compile) and under a pipeline; "scan" and "unrolled" are taken as asked; the model is
-    built accordingly."""
+def test_layer_loop_auto_unrolls_on_a_gpu(monkeypatch):
+    """"auto" unrolls the layers on a GPU (the faster step, with or without a pipeline) and
+    scans elsewhere (the shorter compile); "scan" and "unrolled" are taken as asked; the
+    model is built accordingly."""
     import jax
 
     from moejax.train import step
@@ -117,7 +117,7 @@ def test_layer_loop_auto_unrolls_on_a_gpu_without_a_pipe_axis(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert [resolved(v) for v in ("auto", "scan", "unrolled")] == ["unrolled", "scan",
                                                                    "unrolled"]
-    assert resolved("auto", "mesh.pipe=2", "mesh.data=1") == "scan"
+    assert resolved("auto", "mesh.pipe=2", "mesh.data=1") == "unrolled"
     monkeypatch.undo()
     model = step.build_model(apply_overrides(tiny, ["train.layer_loop=unrolled"]),
                              jax.random.key(0))

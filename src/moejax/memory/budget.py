@@ -80,8 +80,8 @@ from moejax.parallel.sharding import STACKED, batch_sharding, param_logical_axes
 from moejax.train.config import ExperimentConfig, apply_overrides
 from moejax.train.optimizer import make_optimizer
 from moejax.train.placement import train_state_shardings
-from moejax.train.step import (TrainState, attention_implementation, layer_loop,
-                              make_train_step, state_initializer)
+from moejax.train.step import (TrainState, attention_implementation, make_train_step,
+                              pipelined, state_initializer)
 
 GIB = 2**30
 _UNITS = {"": 1, "B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20,
@@ -199,15 +199,14 @@ def _at_depth(cfg: ExperimentConfig, micro_batch: int, moe_layers: int) -> Exper
 
 
 def _resolved_for(cfg: ExperimentConfig, pipe: int) -> ExperimentConfig:
-    """``cfg`` with its attention core and layer loop fixed to what the step picks on a
-    mesh of ``pipe`` stages. The reduced copies compile one device's share, which would
-    resolve "auto" as an unpipelined step does (cuDNN's attention and unrolled layers on a
-    GPU) where a pipelined step runs XLA's attention and scanned layers (session 42)."""
+    """``cfg`` with its attention core fixed to what the step picks on a mesh of ``pipe``
+    stages. The reduced copies compile one device's share, which would resolve "auto" as an
+    unpipelined step does (cuDNN's attention on a GPU) where a pipelined step runs XLA's
+    attention (session 42)."""
     if pipe == 1:
         return cfg
     return dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, attention=attention_implementation(cfg, pipe),
-        layer_loop=layer_loop(cfg, pipe)))
+        cfg.train, attention=attention_implementation(cfg, pipe)))
 
 
 def _in_background(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
@@ -511,9 +510,6 @@ def compiled_peak(cfg: ExperimentConfig, micro_batch: int | None = None, *,
 
 def check_compilable_here(mesh: MeshSpec) -> None:
     """A clear error, before any compile, where ``compiled_peak_on_mesh`` cannot run."""
-    if mesh.pipe > 1:
-        raise ConfigError(f"--validate with --mesh {mesh}: a pipe axis is not covered (the "
-                          "pipeline executor's step); validate its stages' layout without it")
     if jax.device_count() < mesh.size:
         raise ConfigError(f"--validate with --mesh {mesh}: needs {mesh.size} devices, this "
                           f"host has {jax.device_count()}")
@@ -521,12 +517,14 @@ def check_compilable_here(mesh: MeshSpec) -> None:
 
 def compiled_peak_on_mesh(cfg: ExperimentConfig, mesh: MeshSpec) -> tuple[int, Any]:
     """XLA's per-device peak (arguments + temp) of the real step on ``mesh``, sharded as
-    the trainer shards it and compiled (never run) on this host's devices, and its
-    analysis: what ``--validate`` checks a mesh's budget against (on CPU, simulated devices
-    do). ``cfg.train.batch_size`` is the global batch. Pipelined meshes are not covered."""
+    the trainer shards it (the pipeline executor's step where ``mesh.pipe`` > 1) and
+    compiled (never run) on this host's devices, and its analysis: what ``--validate``
+    checks a mesh's budget against (on CPU, simulated devices do).
+    ``cfg.train.batch_size`` is the global batch."""
     check_compilable_here(mesh)
+    cfg = dataclasses.replace(cfg, mesh=mesh)
     device_mesh = build_mesh(mesh, jax.devices()[:mesh.size])
-    graphdef, init = state_initializer(cfg, pipe=1)
+    graphdef, init = state_initializer(cfg)
     abstract = jax.eval_shape(init, jnp.uint32(0))
     shardings = train_state_shardings(abstract, device_mesh, make_optimizer(cfg.train),
                                       cfg.train.zero_stage)
@@ -535,7 +533,8 @@ def compiled_peak_on_mesh(cfg: ExperimentConfig, mesh: MeshSpec) -> tuple[int, A
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32,
                                   sharding=batch_sharding(device_mesh))
     step = make_train_step(graphdef, cfg, state_shardings=shardings,
-                           batch_sharding=batch_sharding(device_mesh))
+                           batch_sharding=batch_sharding(device_mesh),
+                           loss_and_grads=pipelined(graphdef, cfg))
     with jax.set_mesh(device_mesh), expert_parallel_options(cfg.expert_parallel):
         analysis = step.lower(placed, tokens).compile(
             compiler_options=MEASURE_OPTIONS).memory_analysis()

@@ -27,8 +27,6 @@ from moejax.memory.budget import GIB, check_fits, per_device_bytes
 from moejax.memory.ema import HostEMA
 from moejax.parallel.expert import expert_parallel_options
 from moejax.parallel.mesh import build_mesh
-from moejax.parallel.pipeline.executor import PipelineExecutor
-from moejax.parallel.pipeline.schedule import build as build_schedule
 from moejax.parallel.sharding import batch_sharding
 from moejax.train.checkpoint import Checkpointer, check_config
 from moejax.train.config import ExperimentConfig
@@ -36,19 +34,8 @@ from moejax.train.flops import mfu, peak_flops, train_flops_per_token
 from moejax.train.metrics import DEVICE_LOAD, MetricsLog, progress_line
 from moejax.train.optimizer import make_optimizer
 from moejax.train.placement import train_state_shardings
-from moejax.train.step import (LossAndGrads, TrainState, attention_implementation,
-                               layer_loop, make_eval_step, make_train_step,
-                               state_initializer)
-
-
-def pipelined(graphdef: Any, cfg: ExperimentConfig) -> LossAndGrads | None:
-    """The pipeline executor's forward/backward under ``--mesh pipe=P>1``, else None (the
-    whole-batch step)."""
-    if cfg.mesh.pipe == 1:
-        return None
-    schedule = build_schedule(cfg.train.pipeline_schedule, cfg.mesh.pipe, cfg.num_microbatches)
-    return PipelineExecutor(schedule, graphdef, cfg.model, jnp.dtype(cfg.train.compute_dtype),
-                            cfg.train.mtp_lambda, zero_stage=cfg.train.zero_stage).loss_and_grads
+from moejax.train.step import (TrainState, attention_implementation, layer_loop,
+                               make_eval_step, make_train_step, pipelined, state_initializer)
 
 
 class _Dispatched(NamedTuple):

@@ -20,6 +20,8 @@ from pallas_kernels.mosaic_common import cuda_compute_capability
 from moejax.config import fail
 from moejax.model import DeepseekV3, RouterBias
 from moejax.model.routing import update_router_bias
+from moejax.parallel.pipeline.executor import PipelineExecutor
+from moejax.parallel.pipeline.schedule import build as build_schedule
 from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks
 from moejax.precision import Precision
 from moejax.train.config import ExperimentConfig
@@ -64,15 +66,14 @@ def attention_implementation(cfg: ExperimentConfig, pipe: int | None = None) -> 
     return choice
 
 
-def layer_loop(cfg: ExperimentConfig, pipe: int | None = None) -> str:
-    """``train.layer_loop`` resolved for this process: "auto" is "unrolled" on a GPU without
-    a pipeline axis (the scanned loop's residual-stack copies cost 13% of the BF16 `small`
-    step there, docs/performance.md, session 27) and "scan" elsewhere: on a CPU compile
-    time matters more, and a pipeline compiles each stage's layers in every schedule branch
-    (unrolled there: not yet measured). ``pipe`` as in :func:`attention_implementation`."""
+def layer_loop(cfg: ExperimentConfig) -> str:
+    """``train.layer_loop`` resolved for this process: "auto" is "unrolled" on a GPU (the
+    scanned loop's residual-stack copies cost 13% of the BF16 `small` step there,
+    docs/performance.md, session 27; under ``pipe=2`` unrolled stages were 1.09x (1F1B) and
+    1.07x (DualPipe) the scanned step, with no more memory, session 43) and "scan"
+    elsewhere, where compile time matters more."""
     if cfg.train.layer_loop == "auto":
-        unpiped = (pipe or cfg.mesh.pipe) == 1
-        return "unrolled" if jax.default_backend() == "gpu" and unpiped else "scan"
+        return "unrolled" if jax.default_backend() == "gpu" else "scan"
     return cfg.train.layer_loop
 
 
@@ -144,6 +145,16 @@ def whole_batch(graphdef: nnx.GraphDef, cfg: ExperimentConfig) -> LossAndGrads:
         return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
     return loss_and_grads
+
+
+def pipelined(graphdef: nnx.GraphDef, cfg: ExperimentConfig) -> LossAndGrads | None:
+    """The pipeline executor's forward/backward under ``--mesh pipe=P>1``, else None (the
+    whole-batch step)."""
+    if cfg.mesh.pipe == 1:
+        return None
+    schedule = build_schedule(cfg.train.pipeline_schedule, cfg.mesh.pipe, cfg.num_microbatches)
+    return PipelineExecutor(schedule, graphdef, cfg.model, jnp.dtype(cfg.train.compute_dtype),
+                            cfg.train.mtp_lambda, zero_stage=cfg.train.zero_stage).loss_and_grads
 
 
 def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
