@@ -62,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         if on_mesh:
             _progress(f"memory budget: compiling the real step on --mesh {mesh} for XLA's "
                       "memory_analysis()")
-            per_step = (mesh.data * mesh.expert
-                        * (cfg.train.microbatches_on(mesh.pipe) if mesh.pipe > 1 else 1))
-            global_batch = None if args.micro_batch is None else args.micro_batch * per_step
+            global_batch = (None if args.micro_batch is None
+                            else args.micro_batch * cfg.train.batch_shards(mesh))
             peak, analysis = compiled_peak_on_mesh(at_micro_batch(cfg, global_batch), mesh)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -399,9 +399,7 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     """
     mesh = mesh or cfg.mesh
     tc = cfg.train
-    batch_shards = mesh.data * mesh.expert
-    if mesh.pipe > 1:
-        batch_shards *= tc.microbatches_on(mesh.pipe)
+    batch_shards = tc.batch_shards(mesh)
     if micro_batch is None:
         if tc.batch_size % batch_shards:
             raise ConfigError(f"train.batch_size={tc.batch_size}: must divide over data x "

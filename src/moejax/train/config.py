@@ -132,6 +132,12 @@ class TrainConfig:
         """Micro-batches per step on ``pipe`` pipeline ranks (train.microbatches, default 2P)."""
         return self.microbatches or 2 * pipe
 
+    def batch_shards(self, mesh: MeshSpec) -> int:
+        """How many pieces a step's batch is cut into on ``mesh``: one per data x expert
+        device, and per micro-batch when pipelined."""
+        return mesh.data * mesh.expert * (self.microbatches_on(mesh.pipe) if mesh.pipe > 1
+                                          else 1)
+
     @property
     def total_schedule_steps(self) -> int:
         return self.schedule_steps or self.steps
@@ -187,11 +193,9 @@ class ExperimentConfig:
         if self.mesh.tensor != 1:
             fail("mesh.tensor", self.mesh.tensor,
                   "experiments.train has no tensor parallelism yet; use 1")
-        shards = self.mesh.data * self.mesh.expert
         if self.mesh.pipe > 1:
             self._check_pipeline()
-            shards *= self.num_microbatches
-        if self.train.batch_size % shards:
+        if self.train.batch_size % self.train.batch_shards(self.mesh):
             fail("train.batch_size", self.train.batch_size,
                   f"must divide over the data x expert mesh axes "
                   f"({self.mesh.data} x {self.mesh.expert})"
