@@ -367,8 +367,9 @@ def test_fit_cases_are_parsed_and_each_compile_is_reported(capsys):
         precision_study_main(["--preset", "tiny", "--steps", "0", "--fit-cases", "some:fp8"])
     assert "--fit-cases: fit case 'some:fp8'" in capsys.readouterr().err
     # 1 MiB holds no tiny step: one compile, reported, and the search answers 0.
-    precision_study_main(["--preset", "tiny", "--steps", "0", "--fit-seq", "32",
-                          "--fit-cases", "selective:fp8", "--device-memory", str(2**-10)])
+    precision_study_main(["--preset", "tiny", "--set", "model.num_hidden_layers=2",
+                          "--steps", "0", "--fit-seq", "32", "--fit-cases", "selective:fp8",
+                          "--device-memory", str(2**-10)])
     out = capsys.readouterr().out
     assert re.search(r"remat=selective precision=fp8 batch 1: [0-9.]+ GiB \(\d+ s\)", out), out
     assert re.search(r"remat=selective +precision=fp8 +batch 0\n", out), out
@@ -398,9 +399,9 @@ def test_study_reports_held_out_loss_on_text_it_never_trained_on(capsys):
     assert train_windows.shape == (3, 2, 33) and held_out.shape == (2, 2, 33)
     seen = {w.tobytes() for w in train_windows.reshape(-1, 33)}
     assert not seen & {w.tobytes() for w in held_out.reshape(-1, 33)}
-    precision_study_main(["--preset", "tiny", "--steps", "3", "--batch", "2", "--seq", "32",
-                          "--fit-seq", "0", "--eval-batches", "2", "--eval-every", "2",
-                          "--seeds", "2"])
+    precision_study_main(["--preset", "tiny", "--set", "model.num_hidden_layers=2",
+                          "--steps", "3", "--batch", "2", "--seq", "32", "--fit-seq", "0",
+                          "--eval-batches", "2", "--eval-every", "2", "--seeds", "2"])
     out = capsys.readouterr().out
     assert re.search(r"step +held-out bf16 +held-out fp8", out), out
     table = out.split("held-out fp8")[1]

@@ -6,6 +6,7 @@ Subprocesses share a persistent compilation cache, so only the first one compile
 import glob
 import os
 import pathlib
+import re
 import signal
 import statistics
 import subprocess
@@ -193,7 +194,8 @@ def test_checkpoint_restores_onto_another_mesh(env, straight, tmp_path):
 def test_two_processes_log_the_losses_of_one(env, straight, tmp_path):
     """Two real processes with 4 CPU devices each, joined by jax.distributed (gloo)."""
     port = 20000 + os.getpid() % 20000
-    four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    # the suite's XLA flags (conftest) with 4 devices a process
+    four = {"XLA_FLAGS": re.sub(r"device_count=\d+", "device_count=4", env["XLA_FLAGS"])}
     procs = [_train(env, tmp_path, "--steps", "6", "--set", "checkpoint.every=3",
                     "--mesh", "data=2,expert=4", "--coordinator", f"localhost:{port}",
                     "--num-processes", "2", "--process-id", str(i), popen=True,
