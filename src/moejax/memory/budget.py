@@ -14,10 +14,11 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   parameters over ``data`` (routed experts stay split over ``expert``) and fetches the rows
   of its rank's stages
   (``parallel.pipeline.placement``: DualPipe holds twice the layers over the pipe), and
-  accumulates their gradients alike: twice those bytes on the busiest rank. Not counted
-  yet: the copies of stage rows inside a tick on a rank that holds two stages (DualPipe,
-  DualPipeV), which left DualPipe's budget 20-33% under XLA's peak (docs/performance.md,
-  Pipeline executor, session 43).
+  accumulates their gradients alike: twice those bytes on the busiest rank. (Until
+  session 44 the fetch's gradient also kept integer id arrays of the held rows' shape,
+  which this term did not count: DualPipe's budget read 19-33% under XLA's peak. Now it
+  reads +9% on the GPU (`small`, 5 layers), but still 10-19% under on CPU's `tiny`, not
+  yet explained: docs/performance.md, Pipeline executor, session 44.)
 - **EMA**: a parameter copy in pinned host memory (``moejax.memory.ema``): 0 device bytes
   where the backend has ``pinned_host``, else counted on the device.
 - **saved activations** (per micro-batch): what XLA keeps for the MoE layers' backward,
