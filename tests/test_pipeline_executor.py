@@ -299,10 +299,11 @@ def test_study_times_inputs_placed_as_training_keeps_them(monkeypatch):
 
 def test_timed_step_chain_equals_the_step_and_compiles_the_tick_range_once(monkeypatch):
     """The timing chain (held rows, init, a tick range run tick by tick, finish) gives the
-    jitted step's loss and gradients, and one time per tick. init lays out the buffers and
-    gradients as the ticks leave them, so timing tick by tick reuses the chain's compile of
-    the tick range. (Before, the second tick compiled the program again: 7-9 s in every
-    per-tick timing, seen on 4 x H200; session 37.)"""
+    whole-batch step's loss and gradients (the one-device oracle the executor cases use,
+    a far shorter compile than the pipelined step's), and one time per tick. init lays out
+    the buffers and gradients as the ticks leave them, so timing tick by tick reuses the
+    chain's compile of the tick range. (Before, the second tick compiled the program
+    again: 7-9 s in every per-tick timing, seen on 4 x H200; session 37.)"""
     from moejax.parallel.pipeline.measure import MTP_LAMBDA as STUDY_LAMBDA, make_problem
     p = make_problem("tiny", 2, 16, 4, "float32")
     executor = PipelineExecutor(build("1f1b", 2, 4), p.graphdef, p.config, p.dtype,
@@ -312,12 +313,16 @@ def test_timed_step_chain_equals_the_step_and_compiles_the_tick_range_once(monke
     monkeypatch.setattr(PipelineExecutor, "timing_programs",
                         lambda self, params: built.append(build_programs(self, params))
                         or built[-1])
+    def loss_fn(params):
+        out = nnx.merge(p.graphdef, params, p.biases).losses(p.tokens[:, :-1], p.tokens[:, 1:])
+        return out.main + STUDY_LAMBDA * out.mtp + out.aux_loss
+
+    total, grads = jax.jit(jax.value_and_grad(loss_fn))(p.params)
     params = pad_stacks(p.params, p.config, 2)
     with jax.set_mesh(build_mesh(MeshSpec(pipe=2, data=2, expert=2))):
-        want = jax.jit(executor.step)(params, p.biases, p.tokens)
         got, step_s, ticks = executor.timed_step(params, p.biases, p.tokens, repeats=1)
-    np.testing.assert_allclose(got.total, want.total, rtol=1e-6)
-    assert _max_relative_error(want.grads, got.grads) < 1e-5
+    np.testing.assert_allclose(got.total, total, rtol=2e-6)
+    assert _max_relative_error(grads, logical_stacks(got.grads, p.config)) < 1e-4
     assert len(ticks) == executor.tables.num_ticks and step_s > 0
     assert len(built) == 1 and built[0].ticks._cache_size() == 1
 
