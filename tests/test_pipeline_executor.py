@@ -65,6 +65,12 @@ def _model(config, precision: Precision = Precision.BF16):
     return graphdef, params, biases, tokens
 
 
+def _whole_batch_loss(graphdef, params, biases, tokens, mtp_lambda: float = MTP_LAMBDA):
+    """The unpipelined model's total loss on the whole batch (the oracle's), and its parts."""
+    out = nnx.merge(graphdef, params, biases).losses(tokens[:, :-1], tokens[:, 1:])
+    return out.main + mtp_lambda * out.mtp + out.aux_loss, out
+
+
 @pytest.fixture(scope="module")
 def problem():
     """Model split into (graph, params, random biases), random tokens, the reference."""
@@ -72,9 +78,8 @@ def problem():
     graphdef, params, biases, tokens = _model(config)
 
     def loss_fn(params):
-        out = nnx.merge(graphdef, params, biases).losses(tokens[:, :-1], tokens[:, 1:])
-        return out.main + MTP_LAMBDA * out.mtp + out.aux_loss, (out.main, out.mtp,
-                                                                out.aux_loss, out.expert_counts)
+        total, out = _whole_batch_loss(graphdef, params, biases, tokens)
+        return total, (out.main, out.mtp, out.aux_loss, out.expert_counts)
 
     (total, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
     return config, graphdef, params, biases, tokens, (total, *aux), grads
@@ -168,11 +173,9 @@ def test_executor_with_fp8_matches_the_sharded_step():
     executor = PipelineExecutor(build("dualpipe", 2, 4), graphdef, config, jnp.float32,
                                 MTP_LAMBDA)
 
-    def loss_fn(params, graph):
-        out = nnx.merge(graph, params, biases).losses(tokens[:, :-1], tokens[:, 1:])
-        return out.main + MTP_LAMBDA * out.mtp + out.aux_loss
-
-    grad_fn = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
+    grad_fn = jax.jit(jax.value_and_grad(
+        lambda params, graph: _whole_batch_loss(graph, params, biases, tokens)[0]),
+        static_argnums=1)
     _, exact = grad_fn(params, exact_graph)  # float32 on one device: the mesh adds nothing
     with jax.set_mesh(build_mesh(spec)):
         with expert_parallel_options(ExpertParallelOptions(token_format="fp8")):
@@ -313,11 +316,8 @@ def test_timed_step_chain_equals_the_step_and_compiles_the_tick_range_once(monke
     monkeypatch.setattr(PipelineExecutor, "timing_programs",
                         lambda self, params: built.append(build_programs(self, params))
                         or built[-1])
-    def loss_fn(params):
-        out = nnx.merge(p.graphdef, params, p.biases).losses(p.tokens[:, :-1], p.tokens[:, 1:])
-        return out.main + STUDY_LAMBDA * out.mtp + out.aux_loss
-
-    total, grads = jax.jit(jax.value_and_grad(loss_fn))(p.params)
+    total, grads = jax.jit(jax.value_and_grad(lambda params: _whole_batch_loss(
+        p.graphdef, params, p.biases, p.tokens, STUDY_LAMBDA)[0]))(p.params)
     params = pad_stacks(p.params, p.config, 2)
     with jax.set_mesh(build_mesh(MeshSpec(pipe=2, data=2, expert=2))):
         got, step_s, ticks = executor.timed_step(params, p.biases, p.tokens, repeats=1)

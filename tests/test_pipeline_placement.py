@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import get_model_preset
@@ -72,15 +73,12 @@ def test_fetch_moves_rows_and_sums_gradients_back(name, ranks):
     np.testing.assert_allclose(grads, expected, rtol=1e-6)
 
 
-def _avals(jaxpr: jax.extend.core.Jaxpr):
+def _avals(jaxpr: jex_core.Jaxpr):
     """Every value's abstract array in ``jaxpr`` and the jaxprs nested in it."""
     for eqn in jaxpr.eqns:
         yield from (v.aval for v in eqn.outvars)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if isinstance(inner, jax.extend.core.Jaxpr):
-                    yield from _avals(inner)
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            yield from _avals(sub)
 
 
 def test_fetch_gradient_keeps_no_ids_of_the_held_rows():

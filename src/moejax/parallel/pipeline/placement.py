@@ -17,9 +17,9 @@ The fetch runs inside the executor's ``shard_map`` (manual over the mesh): for e
 stack, P rounds of one ``ppermute`` each (round d: every rank sends rank r+d the rows
 that rank needs from its block; padded to the round's largest count, the padding's
 places lie past the held rows and are dropped). The step takes ``jax.vjp`` of the fetch,
-so the gradients of the held
-rows flow back along the same rounds reversed and are summed where they are stored:
-DualPipe's two copies of a stage add up there with no extra collective.
+so the gradients of the held rows flow back along the same rounds reversed and are summed
+where they are stored: DualPipe's two copies of a stage add up there with no extra
+collective.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class StackPlacement:
         transpose a gather). Without that promise JAX differentiates the scatter by
         scattering u32 ids of every update and keeps id and mask arrays of the held
         stacks' shape until the step's end: on a DualPipe rank, which holds every layer,
-        XLA's peak grew by about two held copies of the parameters (the budget read 17-33%
+        XLA's peak grew by about two held copies of the parameters (the budget read 19-33%
         under it, session 44)."""
         local = jnp.zeros((self.local_length, *stored.shape[1:]), stored.dtype)
         for d, sends, places in self.rounds():
