@@ -193,7 +193,7 @@ def test_replicated_arrays_are_saved_and_restored_without_compiling(tmp_path, ca
     """Orbax's default handler cut each replicated array into one slice per replica, each
     a compiled `slice` program on XLA:CPU (about 200 in an 8-device `tiny` run, 9 of its
     33 s); the Checkpointer writes a replicated array whole, from one replica."""
-    mesh = jax.make_mesh((8,), ("data",))
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))  # 8 on the CPU (conftest)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     values = jax.random.normal(jax.random.key(0), (8, 16))
     state = {"w": jax.device_put(values, sharding)}

@@ -79,3 +79,21 @@ def test_load_balance_per_expert_and_per_expert_device():
                           "tokens_per_s": 1.0, "step_time_s": 0.1, "mfu": None,
                           **{k: float(v) for k, v in m.items()}})
     assert f"device load max/mean {float(m['expert_device_load_max_over_mean']):.2f}" in line
+
+
+def test_a_model_without_moe_layers_steps_and_reads_as_balanced():
+    """The memory budget's probe of a one-MoE-layer model has no MoE layer (its shallow
+    copy), as has an all-dense model: the step's load metrics read 1, not a reduction
+    over nothing (the budget crashed on the GPU, where training runs it first)."""
+    ones = load_balance(jnp.zeros((0, 16), jnp.int32), expert_devices=4)
+    assert {k: float(v) for k, v in ones.items()} == {
+        "expert_load_max_over_mean": 1.0, "expert_load_worst": 1.0,
+        "expert_device_load_max_over_mean": 1.0}
+    cfg = apply_overrides(get_experiment_preset("tiny"), [
+        "model.num_hidden_layers=1", "model.first_k_dense_replace=1", "train.seq_len=8",
+        "train.batch_size=2"])
+    graphdef, init = state_initializer(cfg)
+    state = jax.eval_shape(init, jnp.uint32(0))
+    tokens = jax.ShapeDtypeStruct((2, 9), jnp.int32)
+    _, metrics = jax.eval_shape(make_train_step(graphdef, cfg), state, tokens)
+    assert metrics["expert_load_max_over_mean"].shape == ()

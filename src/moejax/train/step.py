@@ -117,6 +117,10 @@ def load_balance(counts: jax.Array, expert_devices: int = 1) -> dict[str, jax.Ar
     expert-parallel step pays for: on 4 x H100, dropping 9.4 ms of exchange kernels from a
     `small` step moved the same time into the exchanges' barrier waits (session 39)."""
     counts = counts.astype(jnp.float32)
+    if counts.shape[0] == 0:
+        # No MoE layer (an all-dense model, or the memory budget's dense-only probe):
+        # nothing is routed, so read it as one evenly loaded layer.
+        counts = jnp.ones((1, counts.shape[-1]), jnp.float32)
     ratio = _max_over_mean(counts)
     balance = {"expert_load_max_over_mean": ratio.mean(), "expert_load_worst": ratio.max()}
     if expert_devices > 1:
