@@ -5,7 +5,11 @@ Without a GPU, XLA:CPU's LLVM backend also runs unoptimised: the suite is mostly
 time (sharded train steps, pipeline executors on tiny shapes), which this cuts by a sixth;
 these tests check values, not speed. No fast-math either way, but the last bits can
 differ from -O2's: a tiny FP8 run's loss moved by up to 2.8% on one step against BF16
-(tests/test_precision.py, session 42), so tolerances are set under this codegen.
+(tests/test_precision.py, session 42), so tolerances are set under this codegen. Before
+jax 0.11, XLA:CPU's MLIR fusion emitters are off too: its older elemental emitters compile
+the same fusions in about two thirds of the time (tests/test_train_layouts.py 52.7 ->
+33.0 s, the FP8 pipeline executor test 79 -> 54 s on 2 cores; session 45). jax 0.11's
+XLA has no such flag (it aborts on unknown flags).
 
 Many tests compile the same step (the train CLI's runs against their one-device
 reference, a resumed run against its first half), so the session shares JAX's persistent
@@ -17,10 +21,13 @@ import atexit
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
 
 _CPU_FLAGS = "--xla_force_host_platform_device_count=8"
 if shutil.which("nvidia-smi") is None:
     _CPU_FLAGS += " --xla_backend_optimization_level=0"
+    if tuple(map(int, version("jaxlib").split(".")[:2])) < (0, 11):
+        _CPU_FLAGS += " --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("XLA_FLAGS", _CPU_FLAGS)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="moejax-test-jax-cache-")

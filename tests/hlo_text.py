@@ -41,3 +41,11 @@ def with_callees(hlo: str, texts: list[str]) -> list[str]:
                     seen[name] = by_name[name]
                     todo.append(by_name[name])
     return list(texts) + [t for t in seen.values() if t not in texts]
+
+
+def model_loops(hlo: str, within: str | None = None) -> list[str]:
+    """``loop_bodies`` that multiply matrices (with what they call): a layer or tick loop
+    does; the loops XLA:CPU's older fusion emitters expand a scatter into do not."""
+    return [body for body in loop_bodies(hlo, within)
+            if any(re.search(r"\b(dot|convolution)\(", text)
+                   for text in with_callees(hlo, [body]))]

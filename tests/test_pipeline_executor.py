@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hlo_text import computations, entry, loop_bodies, with_callees
+from hlo_text import computations, entry, model_loops, with_callees
 
 from experiments import pipeline_study
 from moejax.config import ConfigError, get_model_preset
@@ -144,7 +144,7 @@ def _assert_tick_loop_reduces_no_gradients(hlo: str, params) -> None:
     loop all-reduces only routing totals and losses (integers, and a few floats per MoE
     block), never a parameter's gradient, which are summed once, after the loop. (Manual
     over ``pipe`` only, every B tick all-reduced its gradients: session 39.)"""
-    ticks = loop_bodies(hlo, within=entry(hlo))
+    ticks = model_loops(hlo, within=entry(hlo))
     assert len(ticks) == 1, "the tick loop is not the step's one outer loop"
     in_loop = _all_reduces(with_callees(hlo, ticks))
     sizes = [v[...].size for _, v in nnx.to_flat_state(params)]
