@@ -17,8 +17,10 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   accumulates their gradients alike: twice those bytes on the busiest rank. (Until
   session 44 the fetch's gradient also kept integer id arrays of the held rows' shape,
   which this term did not count: DualPipe's budget read 19-33% under XLA's peak. Now it
-  reads +9% on the GPU (`small`, 5 layers), but still 10-19% under on CPU's `tiny`, not
-  yet explained: docs/performance.md, Pipeline executor, session 44.)
+  reads +9% on the GPU (`small`, 5 layers), but still 10-19% under on CPU's `tiny`.
+  There, every branch of the tick's switch copies the gradient accumulator into the
+  switch's output, a second held-gradients buffer this term does not count: about half
+  the gap. docs/performance.md, Pipeline executor, sessions 44 and 45.)
 - **EMA**: a parameter copy in pinned host memory (``moejax.memory.ema``): 0 device bytes
   where the backend has ``pinned_host``, else counted on the device.
 - **saved activations** (per micro-batch): what XLA keeps for the MoE layers' backward,
