@@ -14,11 +14,18 @@ from moejax.train.checkpoint import Checkpointer
 from moejax.train.config import apply_overrides, get_experiment_preset
 
 
+def _data_mesh() -> jax.sharding.Mesh:
+    """A ``data`` axis over two devices (8 simulated on the CPU), or over the one device a
+    one-GPU machine has: the host copy keeps whatever sharding the parameters have."""
+    devices = jax.devices()[:2]
+    return jax.make_mesh((len(devices),), ("data",), devices=devices)
+
+
 @pytest.mark.parametrize("every", [1, 2])
 def test_ema_matches_closed_form_and_lives_in_host_memory(every):
     rng = np.random.default_rng()
     decay, steps = 0.8, 6
-    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    mesh = _data_mesh()
     shardings = {"w": NamedSharding(mesh, P("data", None)), "b": NamedSharding(mesh, P())}
     params = [{"w": rng.standard_normal((4, 3)), "b": rng.standard_normal((5,))}
               for _ in range(steps + 1)]
@@ -51,7 +58,7 @@ def test_ema_settings_are_validated(override):
 
 
 def test_checkpoint_restores_the_ema_into_host_memory(tmp_path):
-    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    mesh = _data_mesh()
     shardings = {"w": NamedSharding(mesh, P("data", None))}
     ema = HostEMA(0.9, shardings)
     saved = ema.init({"w": jax.device_put(

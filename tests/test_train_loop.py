@@ -50,6 +50,30 @@ def _poisoning(bad_tokens: np.ndarray):
     return pipelined
 
 
+# Two runs of one config are equal bit for bit on the CPU. On a GPU, XLA's scatter-adds
+# sum in no fixed order, so they part in the gradients' last bits (session 45: every
+# parameter differed somewhere on an H100), and Adam's first updates, about lr * sign(g),
+# can turn that into a whole update where a gradient is near zero. XLA's
+# --xla_gpu_deterministic_ops=true would fix the order, but on jax 0.11.2 it crashed the
+# compile of the `small` step (IndexError in absl's raw_hash_map; session 46), so the suite
+# does not set it. The GPU check is that 99% of the elements agree: on an H100 two runs'
+# step-2 states agreed on 99.96% of them, and one run's step-2 and step-3 states on 53%.
+BITWISE = jax.default_backend() == "cpu"
+
+
+def _agreement(a, b) -> float:
+    """The fraction of the two trees' elements that are equal (bit for bit where
+    ``BITWISE``, else to 1e-5 relative / 1e-6 absolute). One more step, what the latch
+    guards against, moves about half of them past that tolerance (the rest are rows no
+    token of the batch reached), on the CPU as on the H100."""
+    pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a),
+                                                           jax.tree.leaves(b))]
+    same = [x == y if BITWISE else
+            np.isclose(x.astype(np.float64), y.astype(np.float64), rtol=1e-5, atol=1e-6)
+            for x, y in pairs]
+    return float(sum(np.sum(s) for s in same) / sum(x.size for x, _ in pairs))
+
+
 def _restored(cfg, run_dir, step):
     ckpt = Checkpointer(run_dir, cfg.checkpoint)
     abstract = jax.eval_shape(state_initializer(cfg)[1], jnp.uint32(cfg.train.seed))
@@ -75,12 +99,12 @@ def test_stop_keeps_the_last_good_state_though_the_next_step_was_dispatched(
     expected, expected_data = _restored(reference_cfg, tmp_path / "ref", good)
     kept, kept_data = _restored(cfg, tmp_path / "run", good)
     assert int(kept.step) == good and kept_data == expected_data
-    same = jax.tree.map(lambda a, b: np.array_equal(a, b), kept, expected)
-    assert all(jax.tree.leaves(same))
+    assert _agreement(kept, expected) == (1.0 if BITWISE else pytest.approx(1.0, abs=1e-2))
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3] and not records[-1]["finite"]
     reference = read_metrics(tmp_path / "ref" / "metrics.jsonl")
-    assert [r["loss"] for r in records[:2]] == [r["loss"] for r in reference]
+    losses = [r["loss"] for r in reference]
+    assert [r["loss"] for r in records[:2]] == (losses if BITWISE else pytest.approx(losses))
 
 
 def test_skip_trains_on_past_the_bad_batch(tmp_path, monkeypatch):
