@@ -25,9 +25,15 @@ def test_overrides_are_parsed_by_field_type_and_validated():
     ("train.lr", r"expected SECTION.FIELD=VALUE"),
     ("train.schedule=linear", r"train.schedule='linear': must be one of"),
     ("train.moments_dtype=float16", r"train.moments_dtype='float16': must be one of"),
-    ("model.num_hidden_layers=0", r"num_hidden_layers=0: must be a positive integer"),
+    ("model.num_hidden_layers=0", r"^model.num_hidden_layers=0: must be a positive integer"),
+    ("model.n_group=3", r"^model.n_routed_experts=16: must be divisible by n_group=3"),
+    ("expert_parallel.transport=nccl", r"^expert_parallel.transport='nccl': must be one of"),
+    ("mesh.data=0", r"^mesh.data=0: must be a positive integer"),
     ("train.seq_len=4096", r"train.seq_len=4096: must be <= model.max_position_embeddings"),
-    ("train.warmup_steps=200", r"train.warmup_steps=200: must be < the schedule length 200"),
+    ("train.warmup_steps=200", r"train.warmup_steps=200: must be < the schedule length 200 "
+                               r"\(train.steps, as train.schedule_steps is unset\); lower it, "
+                               r"or for a run shorter than its schedule set "
+                               r"train.schedule_steps"),
     ("checkpoint.async_save=maybe", r"expected a value of type bool"),
     ("train.attention=flash",
      r"train.attention='flash': must be one of \['auto', 'xla', 'cudnn'\]"),

@@ -31,7 +31,7 @@ class MeshSpec:
         for axis in AXES:
             size = getattr(self, axis)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ConfigError(f"mesh axis {axis}={size!r}: must be a positive integer")
+                raise ConfigError(f"mesh.{axis}={size!r}: must be a positive integer")
 
     @property
     def shape(self) -> tuple[int, ...]:

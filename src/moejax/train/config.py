@@ -95,8 +95,11 @@ class TrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 fail(f"train.{name}", value, "must be a non-negative integer")
         if self.warmup_steps >= self.total_schedule_steps:
+            length = ("train.schedule_steps" if self.schedule_steps is not None
+                      else "train.steps, as train.schedule_steps is unset")
             fail("train.warmup_steps", self.warmup_steps,
-                  f"must be < the schedule length {self.total_schedule_steps}")
+                 f"must be < the schedule length {self.total_schedule_steps} ({length}); "
+                 "lower it, or for a run shorter than its schedule set train.schedule_steps")
         if not self.lr > 0:
             fail("train.lr", self.lr, "must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -302,6 +305,18 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
             raise ConfigError(f"--set {item!r}: unknown field {section}.{name}; "
                               f"known: {fields}")
         changes.setdefault(section, {})[name] = _coerce(key, text.strip(), hints[name])
-    sections = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
+    sections = {s: _replaced(s, getattr(config, s), c) for s, c in changes.items()}
     return dataclasses.replace(config, **sections)
+
+
+def _replaced(section: str, value: Any, changes: dict[str, Any]) -> Any:
+    """``value`` (one section) with ``changes``, its validation errors named as the CLI
+    names the field: ModelConfig says ``n_group=3`` (Hugging Face's names, for a
+    ``config.json``), which here reads ``model.n_group=3``."""
+    try:
+        return dataclasses.replace(value, **changes)
+    except ConfigError as error:
+        if str(error).startswith(f"{section}."):
+            raise
+        raise ConfigError(f"{section}.{error}") from None
 
