@@ -522,6 +522,10 @@ def main() -> None:
     from pallas_kernels import triton_gemm as tg
 
     import pallas_kernels as pk
+    if jax.default_backend() == "cpu":  # after torch's run: JAX then takes the GPU's memory
+        ap.error("times GPU kernels from a profiler trace's device time, and this process "
+                 "runs on cpu: run it on a GPU (tests/test_kernels_gemm.py checks the kernels' "
+                 "numerics on CPU in interpret mode)")
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; our backend: {pk.backend()}")
     TC = tg.TileConfig
     cands = {

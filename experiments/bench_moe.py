@@ -199,8 +199,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     distributed.initialize(args)
     devices = jax.device_count()
-    sizes = ([int(s) for s in args.expert.split(",")] if args.expert
-             else [e for e in (1, 2, 4, 8, 16, 32, 64) if e <= devices and devices % e == 0])
+    try:
+        sizes = ([int(s) for s in args.expert.split(",")] if args.expert
+                 else [e for e in (1, 2, 4, 8, 16, 32, 64) if e <= devices and devices % e == 0])
+    except ValueError:
+        parser.error(f"--expert {args.expert!r}: expected a comma list of integers, e.g. 1,2,4")
+    if bad := [e for e in sizes if e < 1 or devices % e]:
+        parser.error(f"--expert {args.expert}: {bad} do not divide the {devices} devices "
+                     "(each size runs on a mesh of data = devices / expert)")
     if args.tokens_per_device % args.seq_len:
         parser.error(f"--tokens-per-device {args.tokens_per_device} must be a multiple of "
                      f"--seq-len {args.seq_len}")

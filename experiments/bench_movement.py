@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,14 +140,21 @@ def op_inputs(tokens: int, hidden: int, experts: int) -> list[dict[str, jax.Arra
     return inputs
 
 
-def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
-               interpret: bool, only: str = "") -> list[Row]:
-    n = tokens * K
-    label = f"T={tokens} H={hidden} E={experts}"
-    inputs = op_inputs(tokens, hidden, experts)
+class Op(NamedTuple):
+    """One row kind of the per-shape table."""
 
-    def argsets(*names):
-        return [tuple(i[name] for name in names) for i in inputs]
+    name: str
+    floor_bytes: int
+    kernel: Callable
+    xla: Callable  # XLA's compile of the pure-JAX reference
+    inputs: tuple[str, ...]  # keys of `op_inputs`
+    check: str  # "bitwise" or "rel"
+    runs: bool  # whether the kernel takes these shapes here
+
+
+def shape_ops(tokens: int, hidden: int, experts: int, interpret: bool) -> list[Op]:
+    """The per-shape table's ops for T = tokens, H = hidden, E = experts."""
+    n = tokens * K
 
     def reference_combine_vjp(g, y, perm, w):
         _, pullback = jax.vjp(lambda y, w: ref.combine(y, perm, w), y, w)
@@ -164,37 +172,46 @@ def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
     # The library's kernel for the plain layout: streamed through TMA on a Hopper.
     streamed = (mm.quantize_along_tokens if not interpret and mosaic_common.available()
                 and mm.applies((tokens, hidden), jnp.bfloat16) else None)
-    ops = [  # name, floor bytes, kernel, XLA, inputs, check, kernel runs here
-        ("sort_by_expert (vs argsort+bincount)", 8 * n + 4 * experts,
-         lambda ids: pk.sort_by_expert(ids, experts), argsort_sort, ("ids",), "bitwise", True),
-        ("dispatch fp8 (permute+quantize)", 2 * tokens * hidden + n * hidden + scale_bytes + 4 * n,
-         lambda x, p: kern("permute")(x, p, K, quantize=True),
-         lambda x, p: ref.permute(x, p, K, quantize=True), ("x", "perm"), "bitwise", fp8_fits),
-        ("dispatch bf16 (permute)", 2 * tokens * hidden + 2 * n * hidden + 4 * n,
-         lambda x, p: kern("permute")(x, p, K, quantize=False)[0],
-         lambda x, p: ref.permute(x, p, K, quantize=False)[0], ("x", "perm"), "bitwise", True),
-        ("combine (fwd)", 2 * n * hidden + 2 * tokens * hidden + 8 * n,
-         kern("combine"), ref.combine, ("y", "perm", "w"), "rel", True),
-        ("combine (bwd: dy, dweights)", 2 * tokens * hidden + 4 * n * hidden + 12 * n,
-         kern("combine_backward"), reference_combine_vjp, ("g", "y", "perm", "w"), "rel", True),
-        ("quantize_along_tokens (x^T, 1x128)", transpose_floor,
-         streamed or kern("quantize_along_tokens"), ref.quantize_along_tokens, ("x",),
-         "bitwise", True),
-        ("quantize_along_tokens from fp8 (FP8 x -> x^T)",
-         2 * tokens * hidden + (tokens * cdiv(hidden, TILE) + hidden * cdiv(tokens, TILE)) * 4,
-         lambda q, s: kern("quantize_along_tokens")(q, None, s),
-         lambda q, s: ref.quantize_along_tokens(q, None, s), ("xq", "xs"), "bitwise", True),
+    ops = [
+        Op("sort_by_expert (vs argsort+bincount)", 8 * n + 4 * experts,
+           lambda ids: pk.sort_by_expert(ids, experts), argsort_sort, ("ids",), "bitwise", True),
+        Op("dispatch fp8 (permute+quantize)", 2 * tokens * hidden + n * hidden + scale_bytes + 4 * n,
+           lambda x, p: kern("permute")(x, p, K, quantize=True),
+           lambda x, p: ref.permute(x, p, K, quantize=True), ("x", "perm"), "bitwise", fp8_fits),
+        Op("dispatch bf16 (permute)", 2 * tokens * hidden + 2 * n * hidden + 4 * n,
+           lambda x, p: kern("permute")(x, p, K, quantize=False)[0],
+           lambda x, p: ref.permute(x, p, K, quantize=False)[0], ("x", "perm"), "bitwise", True),
+        Op("combine (fwd)", 2 * n * hidden + 2 * tokens * hidden + 8 * n,
+           kern("combine"), ref.combine, ("y", "perm", "w"), "rel", True),
+        Op("combine (bwd: dy, dweights)", 2 * tokens * hidden + 4 * n * hidden + 12 * n,
+           kern("combine_backward"), reference_combine_vjp, ("g", "y", "perm", "w"), "rel", True),
+        Op("quantize_along_tokens (x^T, 1x128)", transpose_floor,
+           streamed or kern("quantize_along_tokens"), ref.quantize_along_tokens, ("x",),
+           "bitwise", True),
+        Op("quantize_along_tokens from fp8 (FP8 x -> x^T)",
+           2 * tokens * hidden + (tokens * cdiv(hidden, TILE) + hidden * cdiv(tokens, TILE)) * 4,
+           lambda q, s: kern("quantize_along_tokens")(q, None, s),
+           lambda q, s: ref.quantize_along_tokens(q, None, s), ("xq", "xs"), "bitwise", True),
     ]
     if streamed:  # the Triton kernel it replaces, side by side
-        ops.append(("quantize_along_tokens (Triton kernel)", transpose_floor,
-                    kern("quantize_along_tokens"), ref.quantize_along_tokens, ("x",),
-                    "bitwise", True))
+        ops.append(Op("quantize_along_tokens (Triton kernel)", transpose_floor,
+                      kern("quantize_along_tokens"), ref.quantize_along_tokens, ("x",),
+                      "bitwise", True))
+    return ops
+
+
+def shape_rows(tokens: int, hidden: int, experts: int, repeats: int,
+               interpret: bool, only: str = "") -> list[Row]:
+    """The measured rows of the ops whose name contains ``only``."""
+    label = f"T={tokens} H={hidden} E={experts}"
+    inputs = op_inputs(tokens, hidden, experts)
     rows = []
-    for name, floor, kernel, xla, names, check, runs in ops:
-        if only not in name:
-            continue
-        rows += _measured_row(label, name, floor, kernel if runs else None, xla,
-                              argsets(*names), check, repeats)
+    for op in shape_ops(tokens, hidden, experts, interpret):
+        if only in op.name:
+            rows += _measured_row(label, op.name, op.floor_bytes,
+                                  op.kernel if op.runs else None, op.xla,
+                                  [tuple(i[name] for name in op.inputs) for i in inputs],
+                                  op.check, repeats)
     return rows
 
 
@@ -433,7 +450,7 @@ def print_tables(copy_bw: float, rows: list[Row], layers: list[dict]) -> None:
               f"| {'-' if trace is None else '%.2f' % d['trace_busy_ms']} | {share} |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="T=4096 only, one MoE size")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)),
@@ -454,7 +471,10 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="sweep kernel tile configs first")
     parser.add_argument("--tune-tokens", type=int, default=16384, help="T of the --tune sweep")
     parser.add_argument("--only", default="", help="the ops whose name contains this text")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    names = [op.name for op in shape_ops(4096, 2048, 64, args.interpret)]
+    if not any(args.only in name for name in names):
+        parser.error(f"--only {args.only!r}: no op's name contains it; the ops: {names}")
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"backend {pk.backend()}", flush=True)
     copy_bw = copy_bandwidth(args.repeats)

@@ -3,6 +3,8 @@ shows here rather than in a GPU session's device minutes."""
 
 import math
 
+import pytest
+
 from experiments import bench_moe
 
 
@@ -15,3 +17,13 @@ def test_bench_prints_a_measured_row_per_configuration(capsys):
     layer_ms, exchange_ms, exchange_rate, raw_rate = (float(rows[1][i]) for i in (3, 6, 7, 8))
     assert layer_ms > 0 and exchange_ms > 0 and exchange_rate > 0 and raw_rate > 0
     assert math.isnan(float(rows[0][6]))  # expert=1 exchanges nothing
+
+
+@pytest.mark.parametrize("expert, message", [
+    ("3", "--expert 3: [3] do not divide the 8 devices"),
+    ("1,x", "--expert '1,x': expected a comma list of integers"),
+])
+def test_expert_sizes_that_make_no_mesh_are_refused_by_name(expert, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_moe.main(["--preset", "tiny", "--expert", expert])
+    assert message in capsys.readouterr().err
