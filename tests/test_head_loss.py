@@ -13,7 +13,7 @@ from hlo_text import loop_bodies
 
 from moejax.config import get_model_preset
 from moejax.model import DeepseekV3
-from moejax.model.head_loss import head_cross_entropy
+from moejax.model.head_loss import head_cross_entropy, logsumexp_one_pass
 from moejax.parallel.mesh import MeshSpec, build_mesh
 from moejax.precision import dense_matmul
 
@@ -116,6 +116,27 @@ def test_backward_keeps_no_logits():
     assert fused <= 4 * (batch * seq * hidden + hidden * vocab) + 2 * h.nbytes
     unfused = kept(lambda h, k: jax.nn.logsumexp(dense_matmul(h, k, jnp.float32)).sum())
     assert unfused >= 4 * batch * seq * vocab
+
+
+def test_one_pass_logsumexp_matches_float64_and_reads_its_input_once():
+    """Rows of logits over a wide range, one with a -inf entry, one all equal, one all
+    -inf: within FP32 rounding of float64; the compiled op is one reduction."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((4, 6, 1000)) * rng.uniform(0.1, 40, (4, 6, 1))).astype(np.float32)
+    x[0, 0, 3] = -np.inf
+    x[1, 1] = 7.25
+    x[2, 2] = -np.inf
+    got = np.asarray(jax.jit(logsumexp_one_pass)(x))
+    x64 = x.astype(np.float64)
+    top = x64.max(-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        want = (np.log(np.exp(x64 - top).sum(-1)) + top[..., 0])
+    assert got[2, 2] == -np.inf
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=2e-7, atol=2e-6)
+    assert got[1, 1] == pytest.approx(7.25 + np.log(1000), rel=1e-7)
+    hlo = jax.jit(logsumexp_one_pass).lower(x).compile().as_text()
+    assert len(re.findall(r"\breduce\(", hlo)) == 1, hlo
 
 
 def test_bad_shapes_are_named():
