@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.config import ConfigError
 from moejax.train import loop
-from moejax.train.checkpoint import Checkpointer
+from moejax.train.checkpoint import Checkpointer, check_config
 from moejax.train.config import CheckpointConfig, apply_overrides, get_experiment_preset
 from moejax.train.metrics import read_metrics
 from moejax.train.step import state_initializer, whole_batch
@@ -230,3 +231,15 @@ def test_replicated_arrays_are_saved_and_restored_without_compiling(tmp_path, ca
     assert not [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
     np.testing.assert_array_equal(restored["w"], values)
     assert restored["w"].sharding == sharding and data_state == {"position": 5}
+
+
+def test_the_run_dir_records_the_config_each_resume_runs_under(tmp_path):
+    """A resume may change the resumable fields; the run dir then records the new values
+    (what its next checkpoints are written under), and a refused config is not recorded."""
+    first = {"train": {"steps": 3, "lr": 1.0}}
+    longer = {"train": {"steps": 5, "lr": 1.0}}
+    assert check_config(tmp_path, first) is None
+    assert check_config(tmp_path, longer) == first
+    with pytest.raises(ConfigError, match=r"train.lr: 1.0 -> 2.0"):
+        check_config(tmp_path, {"train": {"steps": 5, "lr": 2.0}})
+    assert check_config(tmp_path, longer) == longer

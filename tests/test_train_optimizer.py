@@ -1,5 +1,6 @@
 """Schedules and the AdamW chain against hand-written references."""
 
+import dataclasses
 import math
 
 import jax
@@ -9,7 +10,7 @@ import optax
 import pytest
 
 from moejax.train.config import TrainConfig
-from moejax.train.optimizer import learning_rate, make_optimizer
+from moejax.train.optimizer import learning_rate, make_optimizer, schedule_change
 
 
 def test_cosine_schedule_warms_up_then_decays_to_the_floor():
@@ -57,3 +58,20 @@ def test_adamw_matches_a_reference_and_bf16_moments_stay_bf16():
     adam_state = state[1]
     moments = jax.tree.leaves((adam_state.mu, adam_state.nu))
     assert {x.dtype for x in moments} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_a_resume_that_stretches_the_schedule_names_the_lr_it_moves_to():
+    """``--resume --steps 400`` after 200 steps with ``train.schedule_steps`` unset stretches
+    the cosine under the run: the LR of update 201 rises from the floor. The note says so
+    and how to keep the old schedule; with the length unchanged it says nothing."""
+    run = TrainConfig(steps=200, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    recorded = {"steps": 200, "schedule_steps": None}
+    longer = dataclasses.replace(run, steps=400)
+    note = schedule_change(recorded, longer, 200)
+    new_lr = float(learning_rate(longer)(200))
+    assert new_lr > 5e-4  # mid-cosine of 400, far above the 200-step run's 1e-4 floor
+    assert note == (f"the LR schedule now spans 400 steps (it spanned 200), so update 201 "
+                    f"runs at LR {new_lr:.3g}, not 0.0001; --set train.schedule_steps=200 "
+                    "keeps the old schedule")
+    assert schedule_change(recorded, dataclasses.replace(longer, schedule_steps=200), 200) is None
+    assert schedule_change({"steps": 100, "schedule_steps": 400}, longer, 100) is None

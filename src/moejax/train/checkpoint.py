@@ -27,12 +27,14 @@ from moejax.config import ConfigError
 from moejax.train.config import CheckpointConfig
 
 CONFIG_FILE = "config.json"
-# Settings that may differ between a run and its resumption: length, cadences, logging, and
+# Settings that may differ between a run and its resumption: length and LR schedule length
+# (a resume that stretches the schedule logs what it does to the LR), cadences, logging,
 # the device layout (a checkpoint restores onto any mesh), the attention core, the layer
 # loop, and the GEMM precision (FP8 keeps no state of its own: FP32 master weights and
 # optimizer state are the same in both).
-RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                     "train.nonfinite", "train.peak_tflops", "train.zero_stage", "train.remat",
+RESUMABLE_CHANGES = {"train.steps", "train.schedule_steps", "train.log_every",
+                     "train.eval_every", "train.eval_batches", "train.nonfinite",
+                     "train.peak_tflops", "train.zero_stage", "train.remat",
                      "train.ema_every", "train.precision", "train.attention", "train.layer_loop",
                      "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
                      "mesh.pipe", "mesh.data", "mesh.expert", "mesh.tensor",
@@ -78,23 +80,26 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_config(run_dir: pathlib.Path, config: dict) -> None:
-    """Records ``config`` in a new run dir, or checks it against the recorded one.
+def check_config(run_dir: pathlib.Path, config: dict) -> dict | None:
+    """Records ``config`` in the run dir, after checking it against the one recorded there.
 
     Raises ConfigError naming every differing field that would make the run dir's
-    checkpoints belong to another experiment.
+    checkpoints belong to another experiment. Returns the configuration recorded before
+    (None in a new run dir); the file then holds ``config``, the one the next checkpoints
+    are written under.
     """
     path = pathlib.Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(config, indent=1))
-        return
-    old, new = flatten(json.loads(path.read_text())), flatten(config)
-    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-             if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
-    if diffs:
-        raise ConfigError(f"run dir {run_dir} holds checkpoints of another configuration "
-                          f"({'; '.join(diffs)}); use a new --run-dir")
+    recorded = json.loads(path.read_text()) if path.is_file() else None
+    if recorded is not None:
+        old, new = flatten(recorded), flatten(config)
+        diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                 if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
+        if diffs:
+            raise ConfigError(f"run dir {run_dir} holds checkpoints of another configuration "
+                              f"({'; '.join(diffs)}); use a new --run-dir")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=1))
+    return recorded
 
 
 def _array_tree_handler() -> ocp.PyTreeCheckpointHandler:

@@ -32,7 +32,7 @@ from moejax.train.checkpoint import Checkpointer, check_config
 from moejax.train.config import ExperimentConfig
 from moejax.train.flops import mfu, peak_flops, train_flops_per_token
 from moejax.train.metrics import DEVICE_LOAD, MetricsLog, progress_line
-from moejax.train.optimizer import make_optimizer
+from moejax.train.optimizer import make_optimizer, schedule_change
 from moejax.train.placement import train_state_shardings
 from moejax.train.step import (TrainState, attention_implementation, layer_loop,
                                make_eval_step, make_train_step, pipelined, state_initializer)
@@ -158,8 +158,8 @@ class Trainer:
                               "another --run-dir")
         self.traced = trace.window(self.resume_step or 0, cfg.train.steps) if trace else range(0)
         self.trace = trace
-        if self.primary:
-            check_config(self.run_dir, cfg.to_dict())
+        # the configuration the run dir's checkpoints were written under (None: a new dir)
+        self.recorded = check_config(self.run_dir, cfg.to_dict()) if self.primary else None
 
     def _report_data(self) -> float:
         info, entropy = self.data_info, unigram_entropy(self.shard_dir)
@@ -226,6 +226,10 @@ class Trainer:
                 self.resume_step, target, ema.abstract(abstract.params) if ema else None)
             train_iter.set_state(data_state)
             self.log(f"resumed {self.run_dir} from step {self.resume_step}")
+            change = self.recorded and schedule_change(self.recorded["train"], tc,
+                                                       self.resume_step)
+            if change:
+                self.log(f"resume: {change}")
         first = int(state.step)
         metrics_log = MetricsLog(self.run_dir, resume_step=first, enabled=self.primary)
         eval_step = make_eval_step(graphdef, cfg, state_shardings=state_sh,

@@ -7,6 +7,9 @@ decaying them only fights the normalisation.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Mapping
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -32,6 +35,21 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
     # Update n (counted from 0) uses the value at n + 1: no wasted zero-LR first step, and
     # the last update (n = total - 1) lands exactly on the final LR.
     return lambda count: schedule(count + 1)
+
+
+def schedule_change(recorded: Mapping[str, Any], cfg: TrainConfig, step: int) -> str | None:
+    """What resuming at update ``step`` under ``cfg`` does to the LR, where the schedule
+    length differs from the ``recorded`` run's train section (``train.steps`` changed with
+    ``train.schedule_steps`` unset: the cosine or WSD curve is stretched under the run);
+    None where it is the same."""
+    old = recorded.get("schedule_steps") or recorded["steps"]
+    if old == cfg.total_schedule_steps:
+        return None
+    lr = lambda c: float(learning_rate(c)(step))  # noqa: E731
+    return (f"the LR schedule now spans {cfg.total_schedule_steps} steps (it spanned {old}), "
+            f"so update {step + 1} runs at LR {lr(cfg):.3g}, not "
+            f"{lr(dataclasses.replace(cfg, schedule_steps=old)):.3g}; "
+            f"--set train.schedule_steps={old} keeps the old schedule")
 
 
 def _decay_mask(params):
