@@ -46,9 +46,9 @@ def schedule_change(recorded: Mapping[str, Any], cfg: TrainConfig, step: int) ->
     if old == cfg.total_schedule_steps:
         return None
     lr = lambda c: float(learning_rate(c)(step))  # noqa: E731
-    return (f"the LR schedule now spans {cfg.total_schedule_steps} steps (it spanned {old}), "
-            f"so update {step + 1} runs at LR {lr(cfg):.3g}, not "
-            f"{lr(dataclasses.replace(cfg, schedule_steps=old)):.3g}; "
+    return (f"the LR schedule now spans {cfg.total_schedule_steps} steps (it spanned {old}): "
+            f"update {step + 1} runs at LR {lr(cfg):.6g} (the old schedule's: "
+            f"{lr(dataclasses.replace(cfg, schedule_steps=old)):.6g}); "
             f"--set train.schedule_steps={old} keeps the old schedule")
 
 
