@@ -175,7 +175,8 @@ def shape_ops(tokens: int, hidden: int, experts: int, interpret: bool) -> list[O
     ops = [
         Op("sort_by_expert (vs argsort+bincount)", 8 * n + 4 * experts,
            lambda ids: pk.sort_by_expert(ids, experts), argsort_sort, ("ids",), "bitwise", True),
-        Op("dispatch fp8 (permute+quantize)", 2 * tokens * hidden + n * hidden + scale_bytes + 4 * n,
+        Op("dispatch fp8 (permute+quantize)",
+           2 * tokens * hidden + n * hidden + scale_bytes + 4 * n,
            lambda x, p: kern("permute")(x, p, K, quantize=True),
            lambda x, p: ref.permute(x, p, K, quantize=True), ("x", "perm"), "bitwise", fp8_fits),
         Op("dispatch bf16 (permute)", 2 * tokens * hidden + 2 * n * hidden + 4 * n,

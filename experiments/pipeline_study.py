@@ -98,11 +98,7 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
           f"{'bubble/rank (measured)':<30} {'layers held/rank':<17} {'act buf/rank':<13} "
           f"{'peak GiB/rank':<14} {'exp. a2a':>8} loss")
     bubbles = {}
-    names = args.schedules.split(",")
-    if unknown := sorted(set(names) - set(SCHEDULES)):
-        raise SystemExit(f"--schedules {args.schedules}: unknown {unknown}; choose from "
-                         f"{sorted(SCHEDULES)}")
-    for name in names:
+    for name in args.schedules.split(","):
         try:
             build(name, args.ranks, args.microbatches)
         except ScheduleError:
@@ -203,6 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transport", default="auto", help="--fb-pair: token exchange "
                         "(auto: ragged on GPU, padded on CPU; ragged; padded)")
     args = parser.parse_args(argv)
+    for flag in ("ranks", "microbatches"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    if unknown := sorted(set(args.schedules.split(",")) - set(SCHEDULES)):
+        parser.error(f"--schedules {args.schedules}: unknown {unknown}; choose from "
+                     f"{sorted(SCHEDULES)}")
     if args.measure or args.fb_pair:
         _use_simulated_devices(8)
     if args.fb_pair:

@@ -286,6 +286,18 @@ def test_render_draws_one_row_per_rank_of_equal_width():
     assert rows[0].startswith("rank 0 |F0") and "F3B5'" in rows[0]
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--schedules", "1f1b,foo"], "--schedules 1f1b,foo: unknown ['foo']; choose from"),
+    (["--ranks", "0"], "--ranks 0: must be >= 1"),
+    (["--microbatches", "0"], "--microbatches 0: must be >= 1"),
+])
+def test_study_refuses_a_bad_flag_by_name_before_any_work(args, message, capsys):
+    with pytest.raises(SystemExit):
+        pipeline_study.main(args)
+    captured = capsys.readouterr()
+    assert message in captured.err and not captured.out
+
+
 def test_study_prints_every_schedule_without_fake_measurements(capsys):
     pipeline_study.main(["--ranks", "4", "--microbatches", "8", "--show-timeline"])
     out = capsys.readouterr().out
