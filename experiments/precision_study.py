@@ -457,6 +457,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--fit-cases: {e}")
     if args.steps < 0:
         parser.error(f"--steps {args.steps}: must be >= 0")
+    for flag in ("batch", "seq"):  # None: the preset's
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag} {getattr(args, flag)}: must be >= 1")
     for flag in ("eval_batches", "eval_every"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")

@@ -422,6 +422,9 @@ def test_study_reports_held_out_loss_on_text_it_never_trained_on(capsys):
     with pytest.raises(SystemExit):
         precision_study_main(["--preset", "tiny", "--steps", "1", "--seeds", "0"])
     assert "--seeds 0: must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # was read as "the preset's batch"
+        precision_study_main(["--preset", "tiny", "--steps", "1", "--batch", "0"])
+    assert "--batch 0: must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
