@@ -50,8 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=pathlib.Path, metavar="DIR",
                    help="trace --profile-steps steps (from the third) with jax.profiler into "
                         "DIR and log where each step's device time went")
-    p.add_argument("--profile-steps", type=int, default=3,
-                   help="steps --profile traces (default 3; not counted in the median step)")
+    p.add_argument("--profile-steps", type=int,
+                   help=f"steps --profile traces (default {StepTrace.steps}; not counted in the "
+                        "median step)")
     distributed.add_arguments(p)
     return p.parse_args(argv)
 
@@ -77,6 +78,9 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
         if value is not None and cfg.mesh.pipe == 1:  # else ignored without a word
             raise ConfigError(f"{flag} {value}: applies to a pipelined run, and --mesh "
                               f"{cfg.mesh} has no pipe axis; add pipe=P>1 to --mesh")
+    if args.profile_steps is not None and args.profile is None:
+        raise ConfigError(f"--profile-steps {args.profile_steps}: applies to a traced run; "
+                          "add --profile DIR")
     return cfg
 
 
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize(args)
         cfg = build_config(args)
         run_dir = args.run_dir or pathlib.Path("runs") / args.preset
-        trace = StepTrace(args.profile, args.profile_steps) if args.profile else None
+        steps = StepTrace.steps if args.profile_steps is None else args.profile_steps
+        trace = StepTrace(args.profile, steps) if args.profile else None
         Trainer(cfg, run_dir, resume=args.resume, log=lambda m: print(m, flush=True),
                 trace=trace).run()
     except (ConfigError, DataError) as e:

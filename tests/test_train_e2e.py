@@ -117,6 +117,8 @@ def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_state(env, t
     (["--coordinator", "localhost:1"], "needs --num-processes and --process-id"),
     (["--mesh", "data=8", "--schedule", "dualpipe"],  # not silently a whole-batch run
      "--schedule dualpipe: applies to a pipelined run"),
+    (["--profile-steps", "5"], "--profile-steps 5: applies to a traced run; add --profile"),
+    (["--set", "model.n_group=3"], "model.n_routed_experts=16: must be divisible by n_group=3"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
