@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tune-tokens", type=int, default=16384, help="T of the --tune sweep")
     parser.add_argument("--only", default="", help="the ops whose name contains this text")
     args = parser.parse_args(argv)
-    names = [op.name for op in shape_ops(4096, 2048, 64, args.interpret)]
+    names = [op.name for op in shape_ops(TOKENS[0], *PAIRED[-1], args.interpret)]
     if not any(args.only in name for name in names):
         parser.error(f"--only {args.only!r}: no op's name contains it; the ops: {names}")
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "

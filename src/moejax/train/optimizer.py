@@ -42,7 +42,8 @@ def schedule_change(recorded: Mapping[str, Any], cfg: TrainConfig, step: int) ->
     length differs from the ``recorded`` run's train section (``train.steps`` changed with
     ``train.schedule_steps`` unset: the cosine or WSD curve is stretched under the run);
     None where it is the same."""
-    old = recorded.get("schedule_steps") or recorded["steps"]
+    old = dataclasses.replace(cfg, steps=recorded["steps"],
+                              schedule_steps=recorded.get("schedule_steps")).total_schedule_steps
     if old == cfg.total_schedule_steps:
         return None
     lr = lambda c: float(learning_rate(c)(step))  # noqa: E731
