@@ -385,7 +385,8 @@ def print_fit(cfg: ExperimentConfig, seq: int, limit: int,
     def search(case: FitCase) -> int:
         remat, precision, guess = case
         run = apply_overrides(cfg, [f"train.remat={remat}", f"train.precision={precision}",
-                                    f"train.seq_len={seq}", "train.batch_size=1"])
+                                    f"train.seq_len={seq}", "train.batch_size=1",
+                                    "train.microbatches=1"])  # a micro-batch in one pass
 
         def bytes_at(batch: int) -> int:
             probe = apply_overrides(run, [f"train.batch_size={batch}"])
@@ -477,7 +478,10 @@ def main(argv: list[str] | None = None) -> None:
     sizes += [f"train.seq_len={args.seq}"] if args.seq else []
     cfg = apply_overrides(base, sizes + args.overrides)
     tc = cfg.train
-    print(f"preset {args.preset}: batch {tc.batch_size} x seq {tc.seq_len}, {args.steps} steps, "
+    accumulate = (f" (gradients of {cfg.num_microbatches} micro-batches of "
+                  f"{tc.batch_size // cfg.num_microbatches})" if cfg.num_microbatches > 1 else "")
+    print(f"preset {args.preset}: batch {tc.batch_size}{accumulate} x seq {tc.seq_len}, "
+          f"{args.steps} steps, "
           f"device {jax.devices()[0].device_kind}, remat {tc.remat}, "
           f"attention {attention_implementation(cfg)}, layer loop {layer_loop(cfg)}", flush=True)
     if args.steps:

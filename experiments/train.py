@@ -43,8 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule", choices=PIPELINE_SCHEDULES,
                    help="pipeline schedule for --mesh pipe=P>1 (sets train.pipeline_schedule)")
     p.add_argument("--microbatches", type=int,
-                   help="micro-batches per step for --mesh pipe=P>1 (sets train.microbatches; "
-                        "default 2P)")
+                   help="micro-batches per step (sets train.microbatches): the pipeline's "
+                        "with --mesh pipe=P>1 (default 2P); else the step accumulates the "
+                        "gradients of that many (default 1)")
     p.add_argument("--data", help="shard folder from experiments.prepare_data "
                                   "(sets data.dir; default: the embedded corpus)")
     p.add_argument("--profile", type=pathlib.Path, metavar="DIR",
@@ -74,10 +75,9 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
     cfg = apply_overrides(get_experiment_preset(args.preset), overrides)
     if args.mesh:
         cfg = dataclasses.replace(cfg, mesh=MeshSpec.parse(args.mesh))
-    for flag, value in (("--schedule", args.schedule), ("--microbatches", args.microbatches)):
-        if value is not None and cfg.mesh.pipe == 1:  # else ignored without a word
-            raise ConfigError(f"{flag} {value}: applies to a pipelined run, and --mesh "
-                              f"{cfg.mesh} has no pipe axis; add pipe=P>1 to --mesh")
+    if args.schedule is not None and cfg.mesh.pipe == 1:  # else ignored without a word
+        raise ConfigError(f"--schedule {args.schedule}: applies to a pipelined run, and "
+                          f"--mesh {cfg.mesh} has no pipe axis; add pipe=P>1 to --mesh")
     if args.profile_steps is not None and args.profile is None:
         raise ConfigError(f"--profile-steps {args.profile_steps}: applies to a traced run; "
                           "add --profile DIR")

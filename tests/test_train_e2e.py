@@ -115,6 +115,9 @@ def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_state(env, t
     (["--mesh", "pipe=2,data=4", "--schedule", "dualpipev", "--microbatches", "2"],
      "train.microbatches=2"),
     (["--coordinator", "localhost:1"], "needs --num-processes and --process-id"),
+    (["--microbatches", "3"],  # gradient accumulation needs equal micro-batches
+     "train.batch_size=16: must divide over the data x expert mesh axes (1 x 1) x 3 "
+     "micro-batches (train.microbatches)"),
     (["--mesh", "data=8", "--schedule", "dualpipe"],  # not silently a whole-batch run
      "--schedule dualpipe: applies to a pipelined run"),
     (["--profile-steps", "5"], "--profile-steps 5: applies to a traced run; add --profile"),

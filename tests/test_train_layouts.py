@@ -2,7 +2,8 @@
 
 Covers the layouts the end-to-end runs (data=2,expert=4 and expert=8 with ZeRO-3; ZeRO-1
 after a restore onto data=2,expert=4) do not: pure data parallelism over 8 devices, and
-data=4,expert=2. Two steps from one fresh random
+data=4,expert=2; and gradient accumulation (train.microbatches), on one device and on
+data=2,expert=2, against the batch in one pass. Two steps from one fresh random
 init and batch: the logged loss, gradient norm and aux loss agree to float32 tolerance,
 and the parameter updates agree in norm (Adam's first update is nearly sign(g) * lr, so
 single elements with |g| ~ 0 may differ; the whole update may not).
@@ -23,6 +24,7 @@ from moejax.train.step import make_train_step, state_initializer
 
 SEED = int(np.random.SeedSequence().entropy % 2**31)
 COMPARED = ("loss", "mtp_loss", "aux_loss", "grad_norm")
+COUNTED = ("expert_load_max_over_mean", "dropped_tokens")  # from integer counts
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +41,9 @@ def batches(cfg):
             for k in jax.random.split(key, 2)]
 
 
-def _two_steps(cfg, batches, mesh_spec: MeshSpec, zero_stage: int):
-    cfg = apply_overrides(cfg, [f"train.zero_stage={zero_stage}"])
+def _two_steps(cfg, batches, mesh_spec: MeshSpec, zero_stage: int, microbatches: int = 1):
+    cfg = apply_overrides(cfg, [f"train.zero_stage={zero_stage}",
+                                f"train.microbatches={microbatches}"])
     mesh = build_mesh(mesh_spec, jax.devices()[:mesh_spec.size])
     graphdef, init = state_initializer(cfg)
     with jax.set_mesh(mesh), expert_parallel_options(cfg.expert_parallel):
@@ -53,7 +56,8 @@ def _two_steps(cfg, batches, mesh_spec: MeshSpec, zero_stage: int):
         history = []
         for tokens in batches:
             state, metrics = step(state, tokens)
-            history.append({k: float(metrics[k]) for k in COMPARED})
+            history.append({**{k: float(metrics[k]) for k in COMPARED + COUNTED},
+                            "router_bias": np.asarray(state.biases["router_bias"][...])})
         update = jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, params0)
     return history, update
 
@@ -63,11 +67,13 @@ def reference(cfg, batches):
     return _two_steps(cfg, batches, MeshSpec(), zero_stage=3)
 
 
-@pytest.mark.parametrize("spec,zero_stage", [
-    (MeshSpec(data=8), 3), (MeshSpec(data=4, expert=2), 3)],
-    ids=["data8-zero3", "data4-expert2-zero3"])
-def test_layout_step_equals_one_device(cfg, batches, reference, spec, zero_stage):
-    history, update = _two_steps(cfg, batches, spec, zero_stage)
+@pytest.mark.parametrize("spec,zero_stage,microbatches", [
+    (MeshSpec(data=8), 3, 1), (MeshSpec(data=4, expert=2), 3, 1), (MeshSpec(), 3, 2),
+    (MeshSpec(data=2, expert=2), 3, 2)],
+    ids=["data8-zero3", "data4-expert2-zero3", "accumulate2", "data2-expert2-accumulate2"])
+def test_layout_step_equals_one_device(cfg, batches, reference, spec, zero_stage,
+                                       microbatches):
+    history, update = _two_steps(cfg, batches, spec, zero_stage, microbatches)
     ref_history, ref_update = reference
     for step, (got, want) in enumerate(zip(history, ref_history)):
         # step 0 sees the same parameters: float32 tolerance. Step 1 sees parameters after
@@ -78,6 +84,11 @@ def test_layout_step_equals_one_device(cfg, batches, reference, spec, zero_stage
         rel = 2e-5 if step == 0 else 2e-3
         for key in COMPARED:
             assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-7), (step, key, SEED)
+        if step == 0:  # the same parameters route alike: the same counts, summed, move
+            # the router bias as the one-pass step's do
+            for key in COUNTED:
+                assert got[key] == pytest.approx(want[key], rel=1e-6), (key, SEED)
+            np.testing.assert_array_equal(got["router_bias"], want["router_bias"])
     got_leaves, want_leaves = jax.tree.leaves(update), jax.tree.leaves(ref_update)
     diff = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(got_leaves, want_leaves)))
     norm = np.sqrt(sum(np.sum(b ** 2) for b in want_leaves))

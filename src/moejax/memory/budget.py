@@ -21,6 +21,9 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   There, every branch of the tick's switch copies the gradient accumulator into the
   switch's output, a second held-gradients buffer this term does not count: about half
   the gap. docs/performance.md, Pipeline executor, sessions 44 and 45.)
+- **gradient accumulator** (``train.microbatches`` = k > 1 without ``pipe``): the FP32 sum
+  of the micro-batches' gradients, laid out like them, beside the micro-batch's own; the
+  activation terms are one micro-batch's (``train.accumulate``).
 - **EMA**: a parameter copy in pinned host memory (``moejax.memory.ema``): 0 device bytes
   where the backend has ``pinned_host``, else counted on the device.
 - **saved activations** (per micro-batch): what XLA keeps for the MoE layers' backward,
@@ -197,11 +200,13 @@ MEASURE_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
 def _at_depth(cfg: ExperimentConfig, micro_batch: int, moe_layers: int) -> ExperimentConfig:
-    """The dense layers and ``moe_layers`` MoE layers, one device, at the micro-batch."""
+    """The dense layers and ``moe_layers`` MoE layers, one device, the micro-batch in one
+    pass."""
     m = cfg.model
     return dataclasses.replace(
         cfg, model=m.replace(num_hidden_layers=m.first_k_dense_replace + moe_layers),
-        mesh=MeshSpec(), train=dataclasses.replace(cfg.train, batch_size=micro_batch))
+        mesh=MeshSpec(), train=dataclasses.replace(cfg.train, batch_size=micro_batch,
+                                                   microbatches=None))
 
 
 def _resolved_for(cfg: ExperimentConfig, pipe: int) -> ExperimentConfig:
@@ -429,11 +434,15 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     exchange = exchange_bytes(cfg, mesh, micro_batch, transport)
 
     tokens = micro_batch * tc.seq_len
+    accumulating = mesh.pipe == 1 and tc.microbatches_on(1) > 1
     terms = (
         Term("parameters", params + biases,
              f"FP32 master, ZeRO-{tc.zero_stage} over data={mesh.data}, "
              f"experts over expert={mesh.expert}"),
         Term("gradients", params, "FP32, laid out like the parameters"),
+        Term("gradient accumulator", params if accumulating else 0,
+             f"FP32 sum over {tc.microbatches_on(mesh.pipe)} micro-batches"
+             if accumulating else "n/a (train.microbatches=1)"),
         Term("optimizer state", optimizer, f"AdamW moments in {tc.moments_dtype}, sharded "
                                            "over data"),
         Term("EMA", params if tc.ema_decay else 0,

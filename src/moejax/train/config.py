@@ -81,8 +81,9 @@ class TrainConfig:
     # blend the EMA on every k-th step with ema_decay**k: each blend moves two parameter
     # copies over the host link, which can take longer than a step (moejax.memory.ema)
     ema_every: int = 1
-    # --mesh pipe=P > 1 only: the pipeline schedule and its micro-batch count (None: 2P)
-    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | dualpipe | dualpipev
+    pipeline_schedule: str = "1f1b"  # --mesh pipe=P > 1: gpipe | 1f1b | dualpipe | dualpipev
+    # micro-batches a step's batch runs as: the pipeline's with pipe=P > 1 (None: 2P); else
+    # gradient accumulation over that many (None: 1, the batch in one pass)
     microbatches: int | None = None
 
     def __post_init__(self) -> None:
@@ -132,14 +133,14 @@ class TrainConfig:
             _check_positive_int("train", self, ("microbatches",))
 
     def microbatches_on(self, pipe: int) -> int:
-        """Micro-batches per step on ``pipe`` pipeline ranks (train.microbatches, default 2P)."""
-        return self.microbatches or 2 * pipe
+        """Micro-batches per step on ``pipe`` pipeline ranks (train.microbatches; default 2P
+        pipelined, 1 without a pipeline)."""
+        return self.microbatches or (2 * pipe if pipe > 1 else 1)
 
     def batch_shards(self, mesh: MeshSpec) -> int:
         """How many pieces a step's batch is cut into on ``mesh``: one per data x expert
-        device, and per micro-batch when pipelined."""
-        return mesh.data * mesh.expert * (self.microbatches_on(mesh.pipe) if mesh.pipe > 1
-                                          else 1)
+        device and micro-batch."""
+        return mesh.data * mesh.expert * self.microbatches_on(mesh.pipe)
 
     @property
     def total_schedule_steps(self) -> int:
@@ -202,11 +203,13 @@ class ExperimentConfig:
             fail("train.batch_size", self.train.batch_size,
                   f"must divide over the data x expert mesh axes "
                   f"({self.mesh.data} x {self.mesh.expert})"
-                  + (f" x {self.num_microbatches} micro-batches" if self.mesh.pipe > 1 else ""))
+                  + (f" x {self.num_microbatches} micro-batches (train.microbatches)"
+                     if self.num_microbatches > 1 else ""))
 
     @property
     def num_microbatches(self) -> int:
-        """Micro-batches per step of a pipelined run (train.microbatches, default 2P)."""
+        """Micro-batches per step: the pipeline's (default 2P), or those the gradients are
+        accumulated over without a pipe axis (default 1)."""
         return self.train.microbatches_on(self.mesh.pipe)
 
     def _check_pipeline(self) -> None:

@@ -212,7 +212,10 @@ class Trainer:
                  f"{tc.precision}, attention core {attention_implementation(cfg)}, layer loop "
                  f"{layer_loop(cfg)}"
                  + (f"; pipeline {tc.pipeline_schedule} over {cfg.num_microbatches} "
-                    "micro-batches" if cfg.mesh.pipe > 1 else ""))
+                    "micro-batches" if cfg.mesh.pipe > 1
+                    else f"; gradients accumulated over {cfg.num_microbatches} micro-batches "
+                    f"of {tc.batch_size // cfg.num_microbatches}" if cfg.num_microbatches > 1
+                    else ""))
         train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))
         if self.resume_step is None:
             state = jax.jit(init, out_shardings=state_sh)(jnp.uint32(tc.seed))

@@ -24,6 +24,7 @@ from moejax.parallel.pipeline.executor import PipelineExecutor
 from moejax.parallel.pipeline.schedule import build as build_schedule
 from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks
 from moejax.precision import Precision
+from moejax.train.accumulate import accumulated
 from moejax.train.config import ExperimentConfig
 from moejax.train.metrics import DEVICE_LOAD
 from moejax.train.optimizer import learning_rate, make_optimizer
@@ -135,7 +136,9 @@ LossAndGrads = Callable[[nnx.State, nnx.State, jax.Array], tuple[tuple[jax.Array
 
 
 def whole_batch(graphdef: nnx.GraphDef, cfg: ExperimentConfig) -> LossAndGrads:
-    """The loss (next-token + weighted MTP + aux) and its gradients over the whole batch."""
+    """The loss (next-token + weighted MTP + aux) and its gradients over the whole batch, in
+    one pass or, with ``train.microbatches`` = k > 1, as the mean of k micro-batches'
+    (``accumulate``)."""
 
     def loss_and_grads(params: nnx.State, biases: nnx.State, tokens: jax.Array):
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -148,7 +151,7 @@ def whole_batch(graphdef: nnx.GraphDef, cfg: ExperimentConfig) -> LossAndGrads:
 
         return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
-    return loss_and_grads
+    return accumulated(loss_and_grads, cfg.num_microbatches)
 
 
 def pipelined(graphdef: nnx.GraphDef, cfg: ExperimentConfig) -> LossAndGrads | None:
@@ -169,7 +172,9 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
     """The jitted ``(state, tokens (B, S+1)) -> (state, metrics)``; donates the old state.
 
     ``loss_and_grads`` replaces the whole-batch forward/backward (the pipeline executor
-    passes its own); the optimizer update and metrics are the same either way.
+    passes its own); the optimizer update and metrics are the same either way. Without a
+    pipe axis, ``train.microbatches`` = k > 1 accumulates the gradients of k micro-batches
+    (``whole_batch``).
 
     ``latched``: the step is ``(state, tokens, halt) -> (state, metrics)``, where ``halt``
     (a bool scalar on the device: the previous step's ``~finite``) turns it into a no-op
