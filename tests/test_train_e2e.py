@@ -162,6 +162,7 @@ def test_run_dir_of_another_config_is_refused_and_left_intact(straight, capsys):
     assert main([*args, "--resume", "--set", "model.hidden_size=64"]) == 2
     err = capsys.readouterr().err
     assert "another configuration" in err and "model.hidden_size: 128 -> 64" in err
+    assert err.rstrip().endswith("or set the recorded values back: --set model.hidden_size=128")
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == before
 
 

@@ -92,11 +92,18 @@ def check_config(run_dir: pathlib.Path, config: dict) -> dict | None:
     recorded = json.loads(path.read_text()) if path.is_file() else None
     if recorded is not None:
         old, new = flatten(recorded), flatten(config)
-        diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-                 if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
-        if diffs:
+        changed = [k for k in sorted(set(old) | set(new))
+                   if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
+        if changed:
+            diffs = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+            # e.g. a preset default that changed since the run began (small's AdamW moments
+            # became BF16 in session 47): --set puts a plain field back
+            back = [f"--set {k}={old[k]}" for k in changed
+                    if k in old and k.count(".") == 1 and not isinstance(old[k], list)]
+            undo = (f", or set the recorded values back: {' '.join(back)}"
+                    if len(back) == len(changed) else "")
             raise ConfigError(f"run dir {run_dir} holds checkpoints of another configuration "
-                              f"({'; '.join(diffs)}); use a new --run-dir")
+                              f"({diffs}); use a new --run-dir{undo}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=1))
     return recorded

@@ -245,11 +245,15 @@ TRAIN_PRESETS: dict[str, ExperimentConfig] = {
         checkpoint=CheckpointConfig(every=50)),
     # The first GPU baseline: one H100, byte-level embedded corpus. The router bias keeps
     # DeepSeek-V3's rate: 1e-2 balanced the experts sooner but cost 3-9% of held-out loss
-    # at step 200 (docs/performance.md, Expert parallelism, session 40).
+    # at step 200 (docs/performance.md, Expert parallelism, session 40). AdamW's moments
+    # are BF16, as DeepSeek-V3 keeps them: on one H100 the step took 123.5 ms instead of
+    # 128.5 and 32.7 GiB instead of 39.4; two seeds' held-out loss at step 200 moved
+    # -1.4% and +0.6% against FP32 moments' (whose seeds part by 0.6%): no sign either
+    # way (docs/performance.md, FP8 training, session 47).
     "small": ExperimentConfig(
         model=MODEL_PRESETS["small"],
         train=TrainConfig(steps=200, batch_size=16, seq_len=1024, lr=1e-3, warmup_steps=20,
-                          eval_every=100, log_every=10),
+                          moments_dtype="bfloat16", eval_every=100, log_every=10),
         checkpoint=CheckpointConfig(every=1000)),
 }
 
