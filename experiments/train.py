@@ -59,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace) -> ExperimentConfig:
-    """The validated experiment config: preset, then flags, then --set overrides."""
+    """The validated experiment config: preset, then flags, then --set overrides, then
+    --mesh, all validated together (so a batch that does not divide is named with the mesh
+    it runs on)."""
     overrides = []
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
@@ -72,9 +74,10 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
     if args.microbatches is not None:
         overrides.append(f"train.microbatches={args.microbatches}")
     overrides += args.set
-    cfg = apply_overrides(get_experiment_preset(args.preset), overrides)
     if args.mesh:
-        cfg = dataclasses.replace(cfg, mesh=MeshSpec.parse(args.mesh))
+        spec = MeshSpec.parse(args.mesh)
+        overrides += [f"mesh.{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(spec)]
+    cfg = apply_overrides(get_experiment_preset(args.preset), overrides)
     if args.schedule is not None and cfg.mesh.pipe == 1:  # else ignored without a word
         raise ConfigError(f"--schedule {args.schedule}: applies to a pipelined run, and "
                           f"--mesh {cfg.mesh} has no pipe axis; add pipe=P>1 to --mesh")
@@ -105,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: out of device memory: {str(e).splitlines()[0].split(' [')[0]}\n"
               "  The trainer's memory check is an estimate (python -m moejax.budget prints "
-              "it; docs/memory.md): lower train.batch_size or raise train.remat (selective, "
-              "full). Where a large block fails with memory free (fragmentation), XLA "
+              "it; docs/memory.md): lower train.batch_size, raise train.remat (selective, "
+              "full), or keep the batch in K passes (--microbatches K). Where a large block fails with memory free (fragmentation), XLA "
               "suggests TF_GPU_ALLOCATOR=cuda_malloc_async.", file=sys.stderr)
         return 4
     return 0

@@ -118,6 +118,8 @@ def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_state(env, t
     (["--microbatches", "3"],  # gradient accumulation needs equal micro-batches
      "train.batch_size=16: must divide over the data x expert mesh axes (1 x 1) x 3 "
      "micro-batches (train.microbatches)"),
+    (["--mesh", "data=4", "--microbatches", "8"],  # named with the mesh it runs on
+     "train.batch_size=16: must divide over the data x expert mesh axes (4 x 1) x 8"),
     (["--mesh", "data=8", "--schedule", "dualpipe"],  # not silently a whole-batch run
      "--schedule dualpipe: applies to a pipelined run"),
     (["--profile-steps", "5"], "--profile-steps 5: applies to a traced run; add --profile"),

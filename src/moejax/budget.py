@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-memory", help="memory per device, e.g. 80GB (binary units)")
     p.add_argument("--micro-batch", type=int,
                    help="sequences per device per forward/backward (default: the global "
-                        "batch over data x expert)")
+                        "batch over data x expert x train.microbatches)")
     p.add_argument("--validate", action="store_true",
                    help="compile the real step at this micro-batch (on --mesh, which this "
                         "host's devices must hold) and compare with XLA's memory_analysis()")
@@ -51,19 +51,20 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--micro-batch={args.micro_batch}: must be >= 1")
         memory = parse_bytes(args.device_memory) if args.device_memory else None
         on_mesh = args.validate and mesh.size > 1
+        # the step's global batch that gives each device --micro-batch per pass
+        global_batch = (None if args.micro_batch is None
+                        else args.micro_batch * cfg.train.batch_shards(mesh))
         if on_mesh:
             check_compilable_here(mesh)  # before the budget's compiles
         elif args.validate:  # compiles beside the budget's own two
             _progress("memory budget: lowering the real step and compiling it for XLA's "
                       "memory_analysis()")
-            start_compile(at_micro_batch(cfg, args.micro_batch))
+            start_compile(at_micro_batch(cfg, global_batch))
         budget = estimate(cfg, mesh, micro_batch=args.micro_batch, device_memory=memory,
                           progress=_progress)
         if on_mesh:
             _progress(f"memory budget: compiling the real step on --mesh {mesh} for XLA's "
                       "memory_analysis()")
-            global_batch = (None if args.micro_batch is None
-                            else args.micro_batch * cfg.train.batch_shards(mesh))
             peak, analysis = compiled_peak_on_mesh(at_micro_batch(cfg, global_batch), mesh)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     print(budget.table())
     if args.validate:
         if not on_mesh:
-            peak, analysis = compiled_peak(cfg, args.micro_batch)
+            peak, analysis = compiled_peak(cfg, global_batch)
         print(f"XLA memory_analysis of the real step (per device): arguments "
               f"{analysis.argument_size_in_bytes / GIB:.3f} GiB + temp "
               f"{analysis.temp_size_in_bytes / GIB:.3f} GiB = {peak / GIB:.3f} GiB; budget "

@@ -23,7 +23,7 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   the gap. docs/performance.md, Pipeline executor, sessions 44 and 45.)
 - **gradient accumulator** (``train.microbatches`` = k > 1 without ``pipe``): the FP32 sum
   of the micro-batches' gradients, laid out like them, beside the micro-batch's own; the
-  activation terms are one micro-batch's (``train.accumulate``).
+  activation terms are one micro-batch's (``moejax.train.accumulate``).
 - **EMA**: a parameter copy in pinned host memory (``moejax.memory.ema``): 0 device bytes
   where the backend has ``pinned_host``, else counted on the device.
 - **saved activations** (per micro-batch): what XLA keeps for the MoE layers' backward,
@@ -401,8 +401,7 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     """The per-device budget of ``cfg``'s train step on ``mesh`` (default ``cfg.mesh``).
 
     ``micro_batch``: sequences per device per forward/backward (default: the global batch
-    over data x expert, and over the micro-batches with ``pipe`` > 1, as the train step
-    runs it). Compiles two reduced-depth copies of the step (``depth_fit``), reporting
+    over data x expert and ``train.microbatches``, as the train step runs it). Compiles two reduced-depth copies of the step (``depth_fit``), reporting
     each to ``progress``.
     """
     mesh = mesh or cfg.mesh
@@ -411,8 +410,8 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     if micro_batch is None:
         if tc.batch_size % batch_shards:
             raise ConfigError(f"train.batch_size={tc.batch_size}: must divide over data x "
-                              f"expert (x micro-batches when pipelined) = {batch_shards}, "
-                              "or pass a micro-batch")
+                              f"expert x train.microbatches = {batch_shards}, or pass a "
+                              "micro-batch")
         micro_batch = tc.batch_size // batch_shards
     ema_on_host = has_host_memory(jax.devices()[0])
     transport = cfg.expert_parallel.resolved_transport()
@@ -441,8 +440,8 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
              f"experts over expert={mesh.expert}"),
         Term("gradients", params, "FP32, laid out like the parameters"),
         Term("gradient accumulator", params if accumulating else 0,
-             f"FP32 sum over {tc.microbatches_on(mesh.pipe)} micro-batches"
-             if accumulating else "n/a (train.microbatches=1)"),
+             f"FP32 sum over {tc.microbatches_on(1)} micro-batches" if accumulating
+             else "n/a (pipelined)" if mesh.pipe > 1 else "n/a (train.microbatches=1)"),
         Term("optimizer state", optimizer, f"AdamW moments in {tc.moments_dtype}, sharded "
                                            "over data"),
         Term("EMA", params if tc.ema_decay else 0,
@@ -498,7 +497,9 @@ def check_fits(cfg: ExperimentConfig, device: jax.Device, progress: Progress = _
             f"more than the {limit / GIB:.2f} GiB the device has; the largest term is "
             f"{budget.largest.name} ({budget.largest.bytes / GIB:.2f} GiB). Shrink it "
             f"(e.g. train.batch_size, train.seq_len, train.remat=selective|full, "
-            f"train.moments_dtype=bfloat16, a larger data axis).\n{budget.table()}")
+            f"train.moments_dtype=bfloat16, a larger data axis; train.microbatches=K runs "
+            f"the same batch as K passes: one micro-batch's activations plus an FP32 "
+            f"gradient accumulator).\n{budget.table()}")
     return budget
 
 
@@ -512,7 +513,9 @@ def at_micro_batch(cfg: ExperimentConfig, micro_batch: int | None) -> Experiment
 def compiled_peak(cfg: ExperimentConfig, micro_batch: int | None = None, *,
                   autotune: bool = True, dump_to: str | None = None) -> tuple[int, Any]:
     """XLA's own peak (arguments + temp) of the real one-device step, and its analysis;
-    ``dump_to`` as in ``_memory_analysis`` (a dumped compile is never remembered)."""
+    ``micro_batch``: the step's batch (``at_micro_batch``; with ``train.microbatches`` = k
+    each pass runs a k-th of it); ``dump_to`` as in ``_memory_analysis`` (a dumped compile
+    is never remembered)."""
     cfg = at_micro_batch(cfg, micro_batch)
     if dump_to is None:
         analysis = start_compile(cfg, autotune)[0].result()

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shlex
 import time
 from typing import Any, Callable
 
@@ -98,7 +99,7 @@ def check_config(run_dir: pathlib.Path, config: dict) -> dict | None:
             diffs = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
             # e.g. a preset default that changed since the run began (small's AdamW moments
             # became BF16 in session 47): --set puts a plain field back
-            back = [f"--set {k}={old[k]}" for k in changed
+            back = [f"--set {shlex.quote(f'{k}={old[k]}')}" for k in changed
                     if k in old and k.count(".") == 1 and not isinstance(old[k], list)]
             undo = (f", or set the recorded values back: {' '.join(back)}"
                     if len(back) == len(changed) else "")
