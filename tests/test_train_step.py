@@ -8,7 +8,8 @@ from flax import nnx
 
 from moejax.train.config import apply_overrides, get_experiment_preset
 from moejax.train.metrics import progress_line
-from moejax.train.step import load_balance, make_train_step, state_initializer
+from moejax.train.step import (load_balance, make_eval_step, make_train_step,
+                              state_initializer)
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +98,20 @@ def test_a_model_without_moe_layers_steps_and_reads_as_balanced():
     tokens = jax.ShapeDtypeStruct((2, 9), jnp.int32)
     _, metrics = jax.eval_shape(make_train_step(graphdef, cfg), state, tokens)
     assert metrics["expert_load_max_over_mean"].shape == ()
+
+
+def test_eval_over_microbatches_is_the_one_pass_loss(setup):
+    """With train.microbatches=2 the held-out loss runs as two forward passes; their mean
+    is the batch's loss (float32 tolerance) on fresh random weights and tokens."""
+    cfg, graphdef, init, _ = setup
+    seed = np.random.SeedSequence().entropy % 2**31
+    state = jax.jit(init)(jnp.uint32(seed))
+    tokens = jax.random.randint(jax.random.key(seed), (4, 17), 1, 256, jnp.int32)
+    one_pass = make_eval_step(graphdef, cfg)(state, tokens)
+    halves = make_eval_step(graphdef, apply_overrides(cfg, ["train.microbatches=2"]))(
+        state, tokens)
+    np.testing.assert_allclose(halves, one_pass, rtol=2e-6)
+    labels = np.asarray(tokens[:, 1:])
+    model = nnx.merge(graphdef, state.params, state.biases)
+    np.testing.assert_allclose(one_pass, _log_softmax_ce(model(tokens[:, :-1]), labels),
+                               rtol=2e-5)

@@ -20,7 +20,7 @@ from pallas_kernels.mosaic_common import cuda_compute_capability
 from moejax.config import fail
 from moejax.model import DeepseekV3, RouterBias
 from moejax.model.routing import update_router_bias
-from moejax.parallel.pipeline.executor import PipelineExecutor
+from moejax.parallel.pipeline.executor import PipelineExecutor, split_microbatches
 from moejax.parallel.pipeline.schedule import build as build_schedule
 from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks
 from moejax.precision import Precision
@@ -218,11 +218,21 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
 def make_eval_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
                    state_shardings: Any = None,
                    batch_sharding: Any = None) -> Callable[[TrainState, jax.Array], jax.Array]:
-    """The jitted held-out loss ``(state, tokens) -> main next-token loss``."""
+    """The jitted held-out loss ``(state, tokens) -> main next-token loss``, over the
+    step's micro-batches in turn (``train.microbatches``; each the same size, so the mean
+    of their losses is the batch's): a batch that trains only as micro-batches may not fit
+    one forward pass either."""
+    parts = cfg.num_microbatches
 
     def eval_step(state: TrainState, tokens: jax.Array) -> jax.Array:
         params = logical_stacks(state.params, cfg.model)
-        return nnx.merge(graphdef, params, state.biases).losses(tokens[:, :-1],
-                                                                tokens[:, 1:]).main
+
+        def main_loss(chunk: jax.Array) -> jax.Array:
+            model = nnx.merge(graphdef, params, state.biases)
+            return model.losses(chunk[:, :-1], chunk[:, 1:]).main
+
+        if parts == 1:
+            return main_loss(tokens)
+        return jax.lax.map(main_loss, split_microbatches(tokens, parts)).mean()
 
     return jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding))
