@@ -103,6 +103,15 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH))
 
 
+def split_microbatches(tokens: jax.Array, num_microbatches: int) -> jax.Array:
+    """(B, S+1) -> (M, B/M, S+1), micro-batch i = rows i, i+M, ...: applied to a batch split
+    over devices (``batch_sharding``), every micro-batch takes an equal share of each
+    device's rows, so splitting moves no tokens (the pipeline executor's micro-batches,
+    gradient accumulation's and the micro-batched eval's)."""
+    batch = tokens.shape[0]
+    return tokens.reshape(batch // num_microbatches, num_microbatches, -1).swapaxes(0, 1)
+
+
 def traced_batch_axes() -> tuple[str, ...]:
     """The batch axes (data, expert) of the mesh being traced under that split the batch
     here: present, larger than one, and not already manual (inside a ``shard_map`` over

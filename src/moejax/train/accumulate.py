@@ -32,7 +32,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from moejax.parallel.pipeline.executor import split_microbatches
+from moejax.parallel.sharding import split_microbatches
 
 
 def _mean_or_total(stacked: jax.Array) -> jax.Array:

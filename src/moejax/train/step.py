@@ -20,9 +20,10 @@ from pallas_kernels.mosaic_common import cuda_compute_capability
 from moejax.config import fail
 from moejax.model import DeepseekV3, RouterBias
 from moejax.model.routing import update_router_bias
-from moejax.parallel.pipeline.executor import PipelineExecutor, split_microbatches
+from moejax.parallel.pipeline.executor import PipelineExecutor
 from moejax.parallel.pipeline.schedule import build as build_schedule
 from moejax.parallel.pipeline.storage import logical_stacks, pad_stacks
+from moejax.parallel.sharding import split_microbatches
 from moejax.precision import Precision
 from moejax.train.accumulate import accumulated
 from moejax.train.config import ExperimentConfig

@@ -83,7 +83,7 @@ from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import (StagePlan, StageRows, StageShape, StageStats,
                                              add_stats, stage_forward)
 from moejax.parallel.sharding import (ZeroStage, check_batch_divides, mesh_batch_axes,
-                                      param_specs)
+                                      param_specs, split_microbatches)
 from moejax.parallel.pipeline.tables import ACT_SOURCES, GRAD_SOURCES, TickTables, tick_tables
 from moejax.profiling import median_seconds
 
@@ -432,10 +432,3 @@ def everywhere(tree: Any) -> Any:
 def per_rank(tree: Any) -> Any:
     """``tree`` typed as varying over ``pipe``: the stats, equal on a rank's devices."""
     return varying_over(tree, (PIPE_AXIS,))
-
-
-def split_microbatches(tokens: jax.Array, num_microbatches: int) -> jax.Array:
-    """(B, S+1) -> (M, B/M, S+1), micro-batch i = rows i, i+M, ...: applied to one
-    device's rows, every micro-batch takes an equal share of them."""
-    batch = tokens.shape[0]
-    return tokens.reshape(batch // num_microbatches, num_microbatches, -1).swapaxes(0, 1)
