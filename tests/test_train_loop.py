@@ -243,3 +243,12 @@ def test_the_run_dir_records_the_config_each_resume_runs_under(tmp_path):
     with pytest.raises(ConfigError, match=r"train.lr: 1.0 -> 2.0"):
         check_config(tmp_path, {"train": {"steps": 5, "lr": 2.0}})
     assert check_config(tmp_path, longer) == longer
+
+
+def test_start_up_line_says_how_the_batch_is_split():
+    base = get_experiment_preset("tiny")
+    assert loop.microbatch_note(base) == ""
+    assert loop.microbatch_note(apply_overrides(base, ["train.microbatches=4"])) == (
+        "; gradients accumulated over 4 micro-batches of 4 sequences")
+    piped = apply_overrides(base, ["mesh.pipe=2", "mesh.data=4", "model.num_hidden_layers=4"])
+    assert loop.microbatch_note(piped) == "; pipeline 1f1b over 4 micro-batches"

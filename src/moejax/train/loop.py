@@ -131,6 +131,17 @@ def _read_finished(finished: list[_Dispatched], compiling_step: int, last: float
     return read, last
 
 
+def microbatch_note(cfg: ExperimentConfig) -> str:
+    """How the step splits its batch, for the start-up log line ("" in one pass)."""
+    m = cfg.num_microbatches
+    if cfg.mesh.pipe > 1:
+        return f"; pipeline {cfg.train.pipeline_schedule} over {m} micro-batches"
+    if m > 1:
+        return (f"; gradients accumulated over {m} micro-batches of "
+                f"{cfg.train.batch_size // m} sequences")
+    return ""
+
+
 class Trainer:
     """One run in one run dir; ``run()`` trains to ``cfg.train.steps``."""
 
@@ -210,12 +221,7 @@ class Trainer:
                  f"{cfg.expert_parallel.resolved_transport() if cfg.mesh.expert > 1 else 'none'}"
                  f" (tokens travel as {cfg.expert_parallel.token_format}); GEMMs "
                  f"{tc.precision}, attention core {attention_implementation(cfg)}, layer loop "
-                 f"{layer_loop(cfg)}"
-                 + (f"; pipeline {tc.pipeline_schedule} over {cfg.num_microbatches} "
-                    "micro-batches" if cfg.mesh.pipe > 1
-                    else f"; gradients accumulated over {cfg.num_microbatches} micro-batches "
-                    f"of {tc.batch_size // cfg.num_microbatches}" if cfg.num_microbatches > 1
-                    else ""))
+                 f"{layer_loop(cfg)}{microbatch_note(cfg)}")
         train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))
         if self.resume_step is None:
             state = jax.jit(init, out_shardings=state_sh)(jnp.uint32(tc.seed))
