@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
 import sys
 
@@ -18,6 +19,7 @@ import jax
 
 from moejax.config import ConfigError
 from moejax.data.shards import DataError
+from moejax.memory.budget import allocator_share_hint
 from moejax.parallel import distributed
 from moejax.parallel.mesh import MeshSpec
 from moejax.train.config import (PIPELINE_SCHEDULES, ExperimentConfig, apply_overrides,
@@ -109,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: out of device memory: {str(e).splitlines()[0].split(' [')[0]}\n"
               "  The trainer's memory check is an estimate (python -m moejax.budget prints "
               "it; docs/memory.md): lower train.batch_size, raise train.remat (selective, "
-              "full), or keep the batch in K passes (--microbatches K). Where a large block fails with memory free (fragmentation), XLA "
-              "suggests TF_GPU_ALLOCATOR=cuda_malloc_async.", file=sys.stderr)
+              "full), or keep the batch in K passes (--microbatches K). Where a large block "
+              "fails with memory free (fragmentation), XLA suggests "
+              "TF_GPU_ALLOCATOR=cuda_malloc_async."
+              + allocator_share_hint(jax.devices()[0].platform, os.environ), file=sys.stderr)
         return 4
     return 0
 

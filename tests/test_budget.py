@@ -298,3 +298,10 @@ def test_reduced_copies_run_the_attention_of_the_mesh(monkeypatch):
     assert (resolved.attention, resolved.layer_loop) == ("xla", "auto")
     with pytest.raises(ConfigError, match=r"train.attention='cudnn': cannot run under a pipeline"):
         budget_model._resolved_for(apply_overrides(bf16, ["train.attention=cudnn"]), 2)
+
+
+def test_a_gpu_limit_at_jaxs_default_share_says_how_to_raise_it():
+    hint = budget_model.allocator_share_hint
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in hint("gpu", {})
+    assert hint("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}) == ""  # the user chose
+    assert hint("cpu", {}) == hint("tpu", {}) == ""

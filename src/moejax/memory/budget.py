@@ -66,10 +66,11 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import re
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -484,6 +485,17 @@ def device_memory_limit(device: jax.Device) -> int | None:
     return int(limit) if limit else None
 
 
+def allocator_share_hint(platform: str, environ: Mapping[str, str]) -> str:
+    """Where the limit is JAX's default share of a GPU, how to raise it: JAX's GPU client
+    takes 75% of the card unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise. The `small`
+    step at batch 64 (71.82 GiB) needs 0.95 on an 80 GB H100 (docs/performance.md,
+    session 47)."""
+    if platform != "gpu" or "XLA_PYTHON_CLIENT_MEM_FRACTION" in environ:
+        return ""
+    return (" JAX's allocator holds 75% of the GPU by default; "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 gives it more.")
+
+
 def check_fits(cfg: ExperimentConfig, device: jax.Device, progress: Progress = _silent
                ) -> Budget | None:
     """Raises ConfigError with the budget table when the step cannot fit on ``device``."""
@@ -499,7 +511,8 @@ def check_fits(cfg: ExperimentConfig, device: jax.Device, progress: Progress = _
             f"(e.g. train.batch_size, train.seq_len, train.remat=selective|full, "
             f"train.moments_dtype=bfloat16, a larger data axis; train.microbatches=K runs "
             f"the same batch as K passes: one micro-batch's activations plus an FP32 "
-            f"gradient accumulator).\n{budget.table()}")
+            f"gradient accumulator).{allocator_share_hint(device.platform, os.environ)}"
+            f"\n{budget.table()}")
     return budget
 
 
