@@ -61,6 +61,7 @@ from moejax.memory.remat import POLICIES as REMAT_POLICIES
 from moejax.precision import PRECISIONS
 from moejax.train.config import ExperimentConfig, apply_overrides, get_experiment_preset
 from moejax.train.flops import mfu, peak_flops, train_flops_per_token
+from moejax.train.loop import microbatch_note
 from moejax.train.step import (attention_implementation, layer_loop, make_eval_step,
                                make_train_step, state_initializer)
 
@@ -478,12 +479,10 @@ def main(argv: list[str] | None = None) -> None:
     sizes += [f"train.seq_len={args.seq}"] if args.seq else []
     cfg = apply_overrides(base, sizes + args.overrides)
     tc = cfg.train
-    accumulate = (f" (gradients of {cfg.num_microbatches} micro-batches of "
-                  f"{tc.batch_size // cfg.num_microbatches})" if cfg.num_microbatches > 1 else "")
-    print(f"preset {args.preset}: batch {tc.batch_size}{accumulate} x seq {tc.seq_len}, "
-          f"{args.steps} steps, "
+    print(f"preset {args.preset}: batch {tc.batch_size} x seq {tc.seq_len}, {args.steps} steps, "
           f"device {jax.devices()[0].device_kind}, remat {tc.remat}, "
-          f"attention {attention_implementation(cfg)}, layer loop {layer_loop(cfg)}", flush=True)
+          f"attention {attention_implementation(cfg)}, layer loop {layer_loop(cfg)}"
+          f"{microbatch_note(cfg)}", flush=True)
     if args.steps:
         runs, held_out = [], None
         for seed in range(tc.seed, tc.seed + args.seeds):

@@ -402,8 +402,8 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     """The per-device budget of ``cfg``'s train step on ``mesh`` (default ``cfg.mesh``).
 
     ``micro_batch``: sequences per device per forward/backward (default: the global batch
-    over data x expert and ``train.microbatches``, as the train step runs it). Compiles two reduced-depth copies of the step (``depth_fit``), reporting
-    each to ``progress``.
+    over data x expert and ``train.microbatches``, as the train step runs it). Compiles two
+    reduced-depth copies of the step (``depth_fit``), reporting each to ``progress``.
     """
     mesh = mesh or cfg.mesh
     tc = cfg.train
