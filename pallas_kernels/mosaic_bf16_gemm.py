@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.group_schedule import group_bounds
-from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, persistent_call,
-                                           store_rows, tile_visit, tma_ready, visit_ends,
-                                           wgrad_tile)
+from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, drain_chain,
+                                           persistent_call, store_rows, tile_visit,
+                                           tma_ready, visit_ends, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -181,6 +181,8 @@ def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool
 
             return carry | runs.astype(jnp.int32)
 
+        if chained:
+            drain_chain(allocs, stages, _tiles)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 

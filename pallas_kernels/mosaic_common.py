@@ -129,9 +129,14 @@ def wgrad_tile(info, tiles_p: int, tiles_q: int, grid_tile_width: int):
 
 def tile_owner(t, ends_gmem, groups: int, block_m: int):
     """(group, row block, first row, end row) of visit t; group == groups means the
-    zero rows past the last group. Unrolled over the G+1 boundaries (static loads)."""
+    zero rows past the last group, groups + 1 a slot past the last visit, which runs
+    nothing (to session 48 such slots went to group 0 and multiplied a tile of no rows:
+    64 equal groups ran 5% slower). Unrolled over the G+1 boundaries: static loads. A
+    table of visits read at each visit's index (`group_schedule.tile_schedule`) was 7-9%
+    slower on one group and 0-4% faster on 64 (docs/performance.md, session 48)."""
     i32 = jnp.int32
-    group = block = lo = hi = i32(0)
+    block = lo = hi = i32(0)
+    group = i32(groups + 1)  # a slot past the last visit: runs nothing
     offset = start = i32(0)
     for g in range(groups + 1):
         end = ends_gmem[g]
@@ -180,6 +185,22 @@ def chained_state(chained: bool, ran_before):
         return None
     return jnp.where(ran_before > 0, plgpu.PipelinePipeline.STEADY,
                      plgpu.PipelinePipeline.START)
+
+
+def drain_chain(allocs, stages: int, ran) -> None:
+    """After a CTA's chained pipelines (``ran`` > 0 when it ran any), the producer
+    warpgroup awaits the consumers' releases of the ring's last turn. A chain of START
+    and STEADY pipelines never runs the STOP state's wait, so those phases would go
+    unobserved: harmless on the GPU, where the kernel then ends, but Mosaic GPU's
+    interpreter fails a barrier whose phases a thread did not all observe."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @pl.when((ran > 0) & (lax.axis_index("wg") == 2))  # the producer: the last warpgroup
+    def _drain():
+        for slot in range(stages):
+            for barrier in allocs["flat_consumed_barrier_refs"]:
+                plgpu.barrier_wait(barrier.at[slot])
 
 
 def store_rows(smem, gmem, first_row, lo, count) -> None:

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import mosaic_common
-from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, persistent_call,
-                                           store_rows, tile_visit, tma_ready, visit_ends,
-                                           wgrad_tile)
+from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, drain_chain,
+                                           persistent_call, store_rows, tile_visit,
+                                           tma_ready, visit_ends, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -312,6 +312,9 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                 store((_wgmma_zeros(),) * halves)
 
             return carry | runs.astype(jnp.int32)
+
+        if chained:
+            drain_chain(allocs, cfg.stages, _tiles)
 
 
 def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem, *,

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from pallas_kernels import triton_gemm as tg
-from pallas_kernels.group_schedule import aligned_layout, aligned_length, gather_aligned
+from pallas_kernels.group_schedule import (aligned_layout, aligned_length, gather_aligned,
+                                           num_tiles, tile_schedule)
 from pallas_kernels.quantize import dequantize
 
 SMALL = tg.TileConfig(block_m=32, block_n=32, block_k=128, num_warps=4, num_stages=2)
@@ -422,18 +423,57 @@ def test_aligned_layout_starts_every_group_on_a_tile(request):
         np.testing.assert_array_equal(np.asarray(layout.sizes), -(-sizes // 128) * 128)
 
 
-def test_mosaic_bf16_fprop_kernel_interpreted_on_cpu():
+def _row_visits(sizes, m: int, block_m: int) -> list[tuple[int, int]]:
+    """(group, row block) of each block with rows of each group, from a loop over rows;
+    the rows past the groups' sum are group G."""
+    owner = np.repeat(np.arange(len(sizes) + 1), np.append(sizes, m - sizes.sum()))
+    return sorted({(int(g), r // block_m) for r, g in enumerate(owner)})
+
+
+@pytest.mark.parametrize("walk", ["mosaic tile_owner", "tile_schedule"])
+def test_row_visits_cover_each_block_once_per_group_it_touches(request, walk):
+    """The grouped kernels' row visits, against a loop over rows: each 128-row block once
+    per group with rows in it, and every slot past the last visit group G + 1, which runs
+    nothing. A slot given to a real group multiplies a tile of no rows: the Mosaic
+    kernels' walk did that to session 48."""
+    from pallas_kernels.mosaic_common import tile_owner, visit_ends
+
+    rng = _rng(request)
+    for sizes in (np.array([0, 1, 127, 128, 129, 300, 0]), np.full(8, 256),
+                  rng.multinomial(2000, rng.dirichlet(np.full(16, 0.5)))):
+        groups = len(sizes)
+        for m in (int(sizes.sum()), int(sizes.sum()) + 37):
+            slots = jnp.arange(num_tiles(m, groups, 128), dtype=jnp.int32)
+            if walk == "tile_schedule":
+                sched = tile_schedule(jnp.asarray(sizes, jnp.int32), m, 128)
+                group, block = sched.tile_group, sched.tile_block
+            else:
+                ends = visit_ends(jnp.asarray(sizes, jnp.int32), m)
+                group, block, _, _ = jax.vmap(lambda t: tile_owner(t, ends, groups, 128))(slots)
+            group, block = np.asarray(group), np.asarray(block)
+            want = _row_visits(sizes, m, 128)
+            runs = group <= groups
+            assert sorted(zip(group[runs].tolist(), block[runs].tolist())) == want
+            assert runs.sum() == len(want) and not runs[len(want):].any()
+            assert (group[len(want):] == groups + 1).all()
+
+
+@pytest.mark.parametrize("stages", [None, 4])
+def test_mosaic_bf16_fprop_kernel_interpreted_on_cpu(stages):
     """The Mosaic GPU fprop kernel itself (persistent tile walk, visits of row tiles that
     straddle groups, the TMA ring, the store ladder, a partial last column tile) run by
     Mosaic GPU's interpreter on 3 CTAs, against float64: groups of 0, 1, 127 and 129
-    rows, zeros past their sum."""
+    rows, zeros past their sum. Its 4 K steps do not chain on the default 5-deep ring;
+    a 4-deep one chains them, and the interpreter fails a chain whose last releases the
+    producer leaves unawaited (`mosaic_common.drain_chain`)."""
     from pallas_kernels import mosaic_bf16_gemm
 
     rng = np.random.default_rng(11)
     sizes = np.array([0, 1, 127, 129])
     a, b = _normal(rng, (320, 256)), _normal(rng, (4, 256, 384))
+    cfg = mosaic_bf16_gemm.Bf16Config(stages=stages)
     got = mosaic_bf16_gemm.grouped_matmul(a, b, jnp.asarray(sizes, jnp.int32), b_kn=True,
-                                          out_dtype=jnp.float32, interpret=True)
+                                          out_dtype=jnp.float32, cfg=cfg, interpret=True)
     want = np.zeros((320, 384))
     ends = np.cumsum(sizes)
     for g, (start, end) in enumerate(zip(ends - sizes, ends)):
