@@ -192,7 +192,9 @@ def drain_chain(allocs, stages: int, ran) -> None:
     warpgroup awaits the consumers' releases of the ring's last turn. A chain of START
     and STEADY pipelines never runs the STOP state's wait, so those phases would go
     unobserved: harmless on the GPU, where the kernel then ends, but Mosaic GPU's
-    interpreter fails a barrier whose phases a thread did not all observe."""
+    interpreter fails a barrier whose phases a thread did not all observe. ``allocs``:
+    the pipeline's `get_allocations`, whose consumed barriers sit under the same key in
+    jax 0.10 and 0.11."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
