@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.group_schedule import group_bounds
 from pallas_kernels.triton_gemm import _pad_axis
 from pallas_kernels.varying import mark_varying, varying_union
 
@@ -154,9 +155,10 @@ def tile_owner(t, ends_gmem, groups: int, block_m: int):
 
 def visit_ends(group_sizes: jax.Array, m: int) -> jax.Array:
     """(G + 1,) end row of each group, then of the zero rows past the last group: what
-    `tile_owner` walks."""
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    return jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)]).astype(jnp.int32)
+    `tile_owner` walks. The groups' rows as `group_bounds` gives them to the wgrad (a
+    negative size counts as none), so the row and wgrad kernels agree on them."""
+    _, ends = group_bounds(group_sizes.astype(jnp.int32), m)
+    return jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
 
 
 def tile_visit(info, tiles_m: int, tiles_n: int, grid_tile_width: int, wg, ends_gmem,

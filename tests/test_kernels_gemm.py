@@ -425,7 +425,8 @@ def test_aligned_layout_starts_every_group_on_a_tile(request):
 
 def _row_visits(sizes, m: int, block_m: int) -> list[tuple[int, int]]:
     """(group, row block) of each block with rows of each group, from a loop over rows;
-    the rows past the groups' sum are group G."""
+    the rows past the groups' sum are group G, and a negative size counts as none."""
+    sizes = np.maximum(sizes, 0)
     owner = np.repeat(np.arange(len(sizes) + 1), np.append(sizes, m - sizes.sum()))
     return sorted({(int(g), r // block_m) for r, g in enumerate(owner)})
 
@@ -435,14 +436,16 @@ def test_row_visits_cover_each_block_once_per_group_it_touches(request, walk):
     """The grouped kernels' row visits, against a loop over rows: each 128-row block once
     per group with rows in it, and every slot past the last visit group G + 1, which runs
     nothing. A slot given to a real group multiplies a tile of no rows: the Mosaic
-    kernels' walk did that to session 48."""
+    kernels' walk did that to session 48. A negative size (not a valid input) must give
+    the rows the wgrad's `group_bounds` gives: none."""
     from pallas_kernels.mosaic_common import tile_owner, visit_ends
 
     rng = _rng(request)
     for sizes in (np.array([0, 1, 127, 128, 129, 300, 0]), np.full(8, 256),
-                  rng.multinomial(2000, rng.dirichlet(np.full(16, 0.5)))):
-        groups = len(sizes)
-        for m in (int(sizes.sum()), int(sizes.sum()) + 37):
+                  rng.multinomial(2000, rng.dirichlet(np.full(16, 0.5))),
+                  np.array([200, -50, 100])):
+        groups, total = len(sizes), int(np.maximum(sizes, 0).sum())
+        for m in (total, total + 37):
             slots = jnp.arange(num_tiles(m, groups, 128), dtype=jnp.int32)
             if walk == "tile_schedule":
                 sched = tile_schedule(jnp.asarray(sizes, jnp.int32), m, 128)
