@@ -15,8 +15,8 @@ A last column tile past N is zero-filled by the TMA loads and clipped by its sto
   straddling groups are visited once per group, as in `mosaic_common`.
 - `grouped_matmul_tn`: wgrad, contraction over each group's rows. The pipeline's trip
   count is the group's number of 64-row blocks rounded up to whole turns of the ring (a
-  dynamic grid); rows of other groups in the edge blocks are zeroed in shared memory
-  before the WGMMA.
+  dynamic grid), whose padding steps skip their WGMMA; rows of other groups in the edge
+  blocks are zeroed in shared memory before the WGMMA.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.group_schedule import group_bounds
-from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, drain_chain,
+from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state,
+                                           column_tile_widths, drain_chain, fill_slot,
                                            persistent_call, store_rows, tile_visit,
                                            tma_ready, visit_ends, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
@@ -82,9 +83,23 @@ def _store_chunks(values, out_smem, wg, store_chunk) -> None:
     width = out_smem.shape[-1]
     for col in range(0, values.shape[1], width):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        out_smem[wg] = values[:, col:col + width].astype(out_smem.dtype)
+        fill_slot(out_smem, wg, values[:, col:col + width])
         plgpu.commit_smem()
         store_chunk(out_smem.at[wg], col)
+
+
+def _accumulating(width: int, store):
+    """A pipeline's compute context: each consumer's (64, width) FP32 accumulator held in
+    the tensor core's registers through the K loop, then ``store(values)``."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def context(run):
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, width), jnp.float32))
+        def _acc(acc):
+            run(acc)
+            store(acc[...])
+    return context
 
 
 def _transforms():
@@ -102,6 +117,13 @@ def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool
     n = out_gmem.shape[1]
     tiles_m = cdiv(m, CTA_M) + groups
     tiles_n = cdiv(n, tile_n)  # a last partial tile: TMA zero-fills loads, clips stores
+    # fprop: the last column tile multiplies only its edge_n real columns (N is a
+    # multiple of 64): 704 = 2 x 256 + 192. Column tiles then turn over the SMs where
+    # needed (`tile_visit`), or the CTAs that always drew it would idle at the end.
+    # H100, K 1024 -> N 704 (session 49): one group 642 -> 677 TFLOP/s, 64 routed
+    # groups 519 -> 515; in the dgrad (b transposed in shared memory) 611 -> 604 and
+    # 516 -> 493, so the dgrad multiplies its edge tile in full.
+    edge_n = n - (tiles_n - 1) * tile_n if b_kn else tile_n
     b_block, b_index = (((STEP, tile_n), lambda s: (s, 0)) if b_kn
                         else ((tile_n, STEP), lambda s: (0, s)))
 
@@ -144,36 +166,34 @@ def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool
         @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):
             ni, group, row0, wg_row0, first, count = tile_visit(
-                info, tiles_m, tiles_n, cfg.grid_tile_width, wg, ends_gmem, groups)
+                info, tiles_m, tiles_n, cfg.grid_tile_width, wg, ends_gmem, groups,
+                narrow_last=edge_n < tile_n)
             def store(values):
                 width = out_smem.shape[-1]
                 _store_chunks(values, out_smem, wg, lambda slot, col: store_rows(
                     slot, out_gmem.at[:, pl.ds(ni * tile_n + col, width)], wg_row0, first,
                     count))
 
-            def compute_context(run):
-                @functools.partial(pl.run_scoped,
-                                   acc=plgpu.ACC((WG_ROWS, tile_n), jnp.float32))
-                def _acc(acc):
-                    run(acc)
-                    store(acc[...])
-
-            def step(_, a_smem, b_smem, acc):
-                b = b_smem if b_kn else plgpu.transpose_ref(b_smem, (1, 0))
-                plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b)
-                plgpu.wgmma_wait(in_flight)
-                return acc
+            def step(width):
+                def multiply(_, a_smem, b_smem, acc):
+                    if width < tile_n:  # fprop only: b_smem is (K step, tile_n)
+                        b_smem = b_smem.at[:, :width]
+                    b = b_smem if b_kn else plgpu.transpose_ref(b_smem, (1, 0))
+                    plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b)
+                    plgpu.wgmma_wait(in_flight)
+                    return acc
+                return multiply
 
             runs = group < groups
             state = chained_state(chained, carry)
-
-            @pl.when(runs)
-            def _real():
-                b_group = b_gmem.at[group]
-                b_cols = (b_group.at[:, pl.ds(ni * tile_n, tile_n)] if b_kn
-                          else b_group.at[pl.ds(ni * tile_n, tile_n)])
-                pipeline(step, compute_context, state)(
-                    a_gmem.at[pl.ds(row0, CTA_M)], b_cols, allocations=allocs)
+            for width, here in column_tile_widths(ni, tiles_n, tile_n, edge_n):
+                @pl.when(runs & here)
+                def _real(width=width):
+                    b_group = b_gmem.at[group]
+                    b_cols = (b_group.at[:, pl.ds(ni * tile_n, tile_n)] if b_kn
+                              else b_group.at[pl.ds(ni * tile_n, tile_n)])
+                    pipeline(step(width), _accumulating(width, store), state)(
+                        a_gmem.at[pl.ds(row0, CTA_M)], b_cols, allocations=allocs)
 
             @pl.when((group == groups) & (wg < 2))
             def _zeros():
@@ -194,16 +214,18 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
     stages = _stages(cfg, tile_q)
     tiles_p, tiles_q = cdiv(p, CTA_M), cdiv(q, tile_q)  # partial last tiles as in _rows_kernel
 
-    def pipeline(body, compute_context, steps, first_block):
+    def pipeline(body, compute_context, steps, first_block, blocks=None):
+        # Steps past the group's blocks (ring padding) reload its last block: in bounds.
+        block = lambda s: first_block + (s if blocks is None else jnp.minimum(s, blocks - 1))
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(steps,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((STEP, CTA_M), lambda s: (first_block + s, 0),
+                plgpu.BlockSpec((STEP, CTA_M), lambda s: (block(s), 0),
                                 transforms=_transforms(), memory_space=plgpu.SMEM,
                                 delay_release=1),
-                plgpu.BlockSpec((STEP, tile_q), lambda s: (first_block + s, 0),
+                plgpu.BlockSpec((STEP, tile_q), lambda s: (block(s), 0),
                                 transforms=_transforms(), memory_space=plgpu.SMEM,
                                 delay_release=1),
             ],
@@ -233,7 +255,8 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
             blocks = jnp.where(end > start, lax.div(end - 1, jnp.int32(STEP)) - first_block + 1, 0)
             # Rounded up to whole turns of the ring: pipelines of other lengths in a row
             # desynchronized the ring's barrier phases (launch failures on the H100).
-            # The extra blocks hold only other groups' rows (or none), so they are masked.
+            # The extra steps reload the group's last block and skip mask and WGMMA
+            # (to session 48 they masked and multiplied it: 64 routed groups 6% slower).
             steps = lax.div(blocks + (stages - 1), jnp.int32(stages)) * stages
             out_rows = out_gmem.at[g, pl.ds(pi * CTA_M + wg * WG_ROWS, WG_ROWS)]
 
@@ -242,19 +265,14 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
                 _store_chunks(values, out_smem, wg, lambda slot, col: plgpu.copy_smem_to_gmem(
                     slot, out_rows.at[:, pl.ds(qi * tile_q + col, width)]))
 
-            def compute_context(run):
-                @functools.partial(pl.run_scoped,
-                                   acc=plgpu.ACC((WG_ROWS, tile_q), jnp.float32))
-                def _acc(acc):
-                    run(acc)
-                    store(acc[...])
-
             def step(idx, x_smem, y_smem, acc):
                 (s,) = idx
                 row0 = (first_block + s) * STEP
                 x_half = x_smem.at[:, pl.ds(wg * WG_ROWS, WG_ROWS)]  # (rows, this WG's P)
 
-                @pl.when((row0 < start) | (row0 + STEP > end))
+                live = s < blocks
+
+                @pl.when(live & ((row0 < start) | (row0 + STEP > end)))
                 def _mask_other_groups():
                     # Both operands, so an inf/NaN in another group's rows cannot leak
                     # in. Each consumer masks all of y (the tile both read): the two
@@ -266,13 +284,19 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
                         ref[...] = jnp.where(keep, values, jnp.zeros_like(values))
                     plgpu.commit_smem()
 
-                plgpu.wgmma(acc, plgpu.transpose_ref(x_half, (1, 0)), y_smem)
-                plgpu.wgmma_wait(1)
+                @pl.when(live)
+                def _multiply():
+                    plgpu.wgmma(acc, plgpu.transpose_ref(x_half, (1, 0)), y_smem)
+                    plgpu.wgmma_wait(1)
+
+                @pl.when(~live)
+                def _idle():  # delay_release frees the last slot: its WGMMA must be done
+                    plgpu.wgmma_wait(0)
                 return acc
 
             @pl.when(steps > 0)
             def _real():
-                pipeline(step, compute_context, steps, first_block)(
+                pipeline(step, _accumulating(tile_q, store), steps, first_block, blocks)(
                     x_gmem.at[:, pl.ds(pi * CTA_M, CTA_M)],
                     y_gmem.at[:, pl.ds(qi * tile_q, tile_q)],
                     allocations=allocs)
@@ -305,7 +329,8 @@ def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
     ends = visit_ends(group_sizes, m)
     body = functools.partial(_rows_kernel, groups=groups, b_kn=b_kn, tile_n=tile_n, cfg=cfg)
     out = persistent_call(body, _out_shape((mp, np_), out_dtype, a, b), ends, a, b,
-                          name="bf16_grouped_gemm", interpret=interpret)
+                          name="bf16_grouped_gemm" if b_kn else "bf16_grouped_dgrad_gemm",
+                          interpret=interpret)
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
 

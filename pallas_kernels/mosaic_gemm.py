@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import mosaic_common
-from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state, drain_chain,
+from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state,
+                                           column_tile_widths, drain_chain, fill_slot,
                                            persistent_call, store_rows, tile_visit,
                                            tma_ready, visit_ends, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
@@ -176,8 +177,8 @@ def _rows(wg):
 
 
 def _block_product(a_smem, b_smem, wg) -> jax.Array:
-    """This consumer's 64 x 128 FP32 product of one 128-deep K step (b_smem: 128 columns)
-    in a fresh accumulator."""
+    """This consumer's 64 x width FP32 product of one 128-deep K step (b_smem: width rows
+    of N, 128 or an edge tile's 64) in a fresh accumulator."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -185,7 +186,7 @@ def _block_product(a_smem, b_smem, wg) -> jax.Array:
         plgpu.wgmma(acc, a_smem.at[_rows(wg)], plgpu.transpose_ref(b_smem, (1, 0)))
         return acc[...]
 
-    return pl.run_scoped(product, plgpu.ACC((WG_ROWS, TILE_N), jnp.float32))
+    return pl.run_scoped(product, plgpu.ACC((WG_ROWS, b_smem.shape[0]), jnp.float32))
 
 
 def _row_scales(a_scale_smem, wg) -> jax.Array:
@@ -193,10 +194,10 @@ def _row_scales(a_scale_smem, wg) -> jax.Array:
     return _load_vector(a_scale_smem.at[0, _rows(wg)], 0)
 
 
-def _wgmma_zeros() -> jax.Array:
+def _wgmma_zeros(width: int = TILE_N) -> jax.Array:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return plgpu.layout_cast(jnp.zeros((WG_ROWS, TILE_N), jnp.float32), plgpu.Layout.WGMMA)
+    return plgpu.layout_cast(jnp.zeros((WG_ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
 
 
 def _broadcast(vector: jax.Array, shape: tuple[int, int], axis: int) -> jax.Array:
@@ -223,7 +224,7 @@ def _stage(out_smem, wg, values: jax.Array):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    out_smem[wg] = values.astype(out_smem.dtype)
+    fill_slot(out_smem, wg, values)
     plgpu.commit_smem()
     return out_smem.at[wg]
 
@@ -255,6 +256,12 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
     tile_n = cfg.tile_n
     halves = tile_n // TILE_N
     tiles_n = cdiv(n, tile_n)  # a partial last column tile: its stores are clipped
+    # The last column tile multiplies only its real columns (N is a multiple of 64), as
+    # 128-wide parts and a 64-wide one (704 = 5 x 128 + 64); column tiles then turn
+    # over the SMs where needed (`mosaic_common.tile_visit`). H100, K 1024 -> N 704 (s49):
+    # one group 845 -> 879 TFLOP/s, 64 routed groups 648 -> 660.
+    edge_n = n - (tiles_n - 1) * tile_n
+    part_widths = lambda width: tuple(min(TILE_N, width - c) for c in range(0, width, TILE_N))
 
     chained = cfg.chains(k_steps)
 
@@ -275,37 +282,42 @@ def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
         @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):
             ni, group, row0, wg_row0, first, count = tile_visit(
-                info, tiles_m, tiles_n, cfg.grid_tile_width, wg, ends_gmem, groups)
+                info, tiles_m, tiles_n, cfg.grid_tile_width, wg, ends_gmem, groups,
+                narrow_last=edge_n < tile_n)
 
             def store(sums):
                 _store_halves(out_smem, wg, sums, ni * tile_n, n, lambda staged, cols:
                               store_rows(staged, out_gmem.at[:, cols], wg_row0, first, count))
 
-            def compute_context(run):
-                store(run((_wgmma_zeros(),) * halves))
+            def compute_context(width):
+                def context(run):
+                    store(run(tuple(_wgmma_zeros(w) for w in part_widths(width))))
+                return context
 
             def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, sums):
                 sa = _row_scales(a_scale_smem, wg)
                 promoted = []
                 for half, total in enumerate(sums):
-                    part = _block_product(a_smem, b_smem.at[pl.ds(half * TILE_N, TILE_N)], wg)
+                    b_part = b_smem.at[pl.ds(half * TILE_N, total.shape[1])]
+                    part = _block_product(a_smem, b_part, wg)
                     sb = _load_vector(b_scale_smem.at[0, pl.ds(half * WG_ROWS, WG_ROWS)], 0)
                     promoted.append(total + part * _broadcast(sa * sb, part.shape, 0))
                 return tuple(promoted)
 
             runs = group < groups
             state = chained_state(chained, carry)
-
-            @pl.when(runs)
-            def _real():
-                b_group = b_gmem.at[group]
-                pipeline(step, compute_context, state)(
-                    a_gmem.at[pl.ds(row0, CTA_M)],
-                    a_scale_gmem.at[:, pl.ds(row0, CTA_M)],
-                    b_group.at[pl.ds(ni * tile_n, tile_n)],
-                    b_scale_gmem.at[group, :, pl.ds(ni * halves * WG_ROWS, halves * WG_ROWS)],
-                    allocations=allocs,
-                )
+            for width, here in column_tile_widths(ni, tiles_n, tile_n, edge_n):
+                @pl.when(runs & here)
+                def _real(width=width):
+                    b_group = b_gmem.at[group]
+                    pipeline(step, compute_context(width), state)(
+                        a_gmem.at[pl.ds(row0, CTA_M)],
+                        a_scale_gmem.at[:, pl.ds(row0, CTA_M)],
+                        b_group.at[pl.ds(ni * tile_n, tile_n)],
+                        b_scale_gmem.at[group, :, pl.ds(ni * halves * WG_ROWS,
+                                                        halves * WG_ROWS)],
+                        allocations=allocs,
+                    )
 
             @pl.when((group == groups) & (wg < 2))
             def _zeros():
@@ -363,6 +375,8 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
             # Whole turns of the ring, as in mosaic_bf16_gemm's wgrad (pipelines of other
             # lengths in a row desynchronize the ring's barrier phases); the extra steps
             # read the next piece's tokens or zero-filled blocks and are not accumulated.
+            # Skipping their WGMMAs by `lax.cond` (as the BF16 wgrad skips its own) made
+            # the call 2x slower on the H100 (session 49).
             steps = lax.div(blocks + (cfg.stages - 1), jnp.int32(cfg.stages)) * cfg.stages
 
             def store(sums):

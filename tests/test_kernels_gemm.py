@@ -239,8 +239,9 @@ def test_mosaic_kernel_outputs_vary_like_their_operands(monkeypatch):
         return tuple(outs.values())
 
     specs = (P("expert"), P(), P("expert"), P("expert"), P("expert"), P(), P())
+    kernels = len(jax.eval_shape(_mosaic_calls, *_MOSAIC_OPERANDS))
     jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=specs,
-                                 out_specs=(P("expert"),) * 4))(*_MOSAIC_OPERANDS)
+                                 out_specs=(P("expert"),) * kernels))(*_MOSAIC_OPERANDS)
     assert {k: "expert" in str(t) for k, t in types.items()} == dict.fromkeys(types, True), types
 
 
@@ -257,7 +258,8 @@ def test_mosaic_kernels_lower_once_per_shape_and_settings(monkeypatch):
         return _mosaic_calls(*operands), _mosaic_calls(*operands)
 
     text = jax.jit(twice).trace(*_MOSAIC_OPERANDS).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 4, text.count("custom_call @mosaic_gpu")
+    kernels = len(jax.eval_shape(_mosaic_calls, *_MOSAIC_OPERANDS))  # one of each, not two
+    assert text.count("custom_call @mosaic_gpu") == kernels, text.count("custom_call @mosaic_gpu")
 
 
 def _mosaic_calls(a, b, sizes, a8, a_scale, b8, b_scale) -> dict[str, jax.Array]:
@@ -265,6 +267,8 @@ def _mosaic_calls(a, b, sizes, a8, a_scale, b8, b_scale) -> dict[str, jax.Array]
     from pallas_kernels import mosaic_bf16_gemm, mosaic_gemm
 
     return {"bf16_grouped_gemm": mosaic_bf16_gemm.grouped_matmul(a, b, sizes, b_kn=True),
+            "bf16_grouped_dgrad_gemm": mosaic_bf16_gemm.grouped_matmul(
+                a, b.transpose(0, 2, 1), sizes, b_kn=False),
             "bf16_grouped_wgrad_gemm": mosaic_bf16_gemm.grouped_matmul_tn(a, a, sizes),
             "fp8_grouped_gemm": mosaic_gemm.scaled_grouped_matmul(
                 a8, b8, sizes, a_scale=a_scale, b_scale=b_scale),
@@ -461,14 +465,34 @@ def test_row_visits_cover_each_block_once_per_group_it_touches(request, walk):
             assert (group[len(want):] == groups + 1).all()
 
 
+@pytest.mark.parametrize("tiles_n, sms", [(3, 132), (6, 132), (2, 12)])
+def test_turned_columns_deal_the_narrow_tile_to_every_sm(tiles_n, sms):
+    """With tiles_n dividing the SM count, the row-major walk gives SM t mod sms the same
+    column tile in every wave; turned, each row still gets each column tile once and
+    every SM draws the last (narrow) one in turn."""
+    from pallas_kernels.mosaic_common import turned_column
+
+    tiles_m = 7 * sms  # whole and partial waves of rows
+    t = np.arange(tiles_m * tiles_n)
+    mi, ni = t // tiles_n, t % tiles_n
+    turned = np.asarray(turned_column(jnp.asarray(mi), jnp.asarray(ni), tiles_n, sms))
+    assert sorted(zip(mi.tolist(), turned.tolist())) == sorted(zip(mi.tolist(), ni.tolist()))
+    sm = t % sms
+    before = np.bincount(sm[ni == tiles_n - 1], minlength=sms)
+    after = np.bincount(sm[turned == tiles_n - 1], minlength=sms)
+    assert before.min() == 0  # the fixed walk idles the other SMs' narrow turns
+    assert after.max() - after.min() <= 1 and after.min() > 0
+
+
 @pytest.mark.parametrize("stages", [None, 4])
 def test_mosaic_bf16_fprop_kernel_interpreted_on_cpu(stages):
     """The Mosaic GPU fprop kernel itself (persistent tile walk, visits of row tiles that
-    straddle groups, the TMA ring, the store ladder, a partial last column tile) run by
-    Mosaic GPU's interpreter on 3 CTAs, against float64: groups of 0, 1, 127 and 129
-    rows, zeros past their sum. Its 4 K steps do not chain on the default 5-deep ring;
-    a 4-deep one chains them, and the interpreter fails a chain whose last releases the
-    producer leaves unawaited (`mosaic_common.drain_chain`)."""
+    straddle groups, the TMA ring, the store ladder) run by Mosaic GPU's interpreter on 3
+    CTAs, against float64: groups of 0, 1, 127 and 129 rows, zeros past their sum. Its 4
+    K steps do not chain on the default 5-deep ring; a 4-deep one chains them, and the
+    interpreter fails a chain whose last releases the producer leaves unawaited
+    (`mosaic_common.drain_chain`). No partial last column tile: the interpreter refuses
+    the loads past the edge that TMA zero-fills (the GPU tests cover it)."""
     from pallas_kernels import mosaic_bf16_gemm
 
     rng = np.random.default_rng(11)
