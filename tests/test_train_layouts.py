@@ -5,8 +5,10 @@ after a restore onto data=2,expert=4) do not: pure data parallelism over 8 devic
 data=4,expert=2; and gradient accumulation (train.microbatches), on one device and on
 data=2,expert=2, against the batch in one pass. Two steps from one fresh random
 init and batch: the logged loss, gradient norm and aux loss agree to float32 tolerance,
-and the parameter updates agree in norm (Adam's first update is nearly sign(g) * lr, so
-single elements with |g| ~ 0 may differ; the whole update may not).
+and the first step's parameter update agrees in norm (Adam's first update is nearly
+sign(g) * lr, so single elements with |g| ~ 0 may differ; the whole update may not). The
+second step's update is held to 10% of its norm: a routing near-tie may send a token
+elsewhere there, while lost optimizer moments move it by about 80% (session 49).
 """
 
 import jax
@@ -50,16 +52,17 @@ def _two_steps(cfg, batches, mesh_spec: MeshSpec, zero_stage: int, microbatches:
         abstract = jax.eval_shape(init, jnp.uint32(SEED))
         shardings = train_state_shardings(abstract, mesh, make_optimizer(cfg.train), zero_stage)
         state = jax.jit(init, out_shardings=shardings)(jnp.uint32(SEED))
-        params0 = jax.tree.map(np.asarray, state.params)
         step = make_train_step(graphdef, cfg, state_shardings=shardings,
                                batch_sharding=batch_sharding(mesh))
-        history = []
+        history, updates = [], []
         for tokens in batches:
+            before = jax.tree.map(np.asarray, state.params)
             state, metrics = step(state, tokens)
             history.append({**{k: float(metrics[k]) for k in COMPARED + COUNTED},
                             "router_bias": np.asarray(state.biases["router_bias"][...])})
-        update = jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, params0)
-    return history, update
+            updates.append(jax.tree.map(lambda new, old: np.asarray(new) - old, state.params,
+                                        before))
+    return history, updates
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +76,8 @@ def reference(cfg, batches):
     ids=["data8-zero3", "data4-expert2-zero3", "accumulate2", "data2-expert2-accumulate2"])
 def test_layout_step_equals_one_device(cfg, batches, reference, spec, zero_stage,
                                        microbatches):
-    history, update = _two_steps(cfg, batches, spec, zero_stage, microbatches)
-    ref_history, ref_update = reference
+    history, updates = _two_steps(cfg, batches, spec, zero_stage, microbatches)
+    ref_history, ref_updates = reference
     for step, (got, want) in enumerate(zip(history, ref_history)):
         # step 0 sees the same parameters: float32 tolerance. Step 1 sees parameters after
         # one Adam update, which is ~sign(g) * lr per element, so elements with |g| near
@@ -89,7 +92,14 @@ def test_layout_step_equals_one_device(cfg, batches, reference, spec, zero_stage
             for key in COUNTED:
                 assert got[key] == pytest.approx(want[key], rel=1e-6), (key, SEED)
             np.testing.assert_array_equal(got["router_bias"], want["router_bias"])
-    got_leaves, want_leaves = jax.tree.leaves(update), jax.tree.leaves(ref_update)
-    diff = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(got_leaves, want_leaves)))
-    norm = np.sqrt(sum(np.sum(b ** 2) for b in want_leaves))
-    assert diff <= 1e-3 * norm, (diff, norm)
+    for step, (got, want) in enumerate(zip(updates, ref_updates)):
+        got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+        diff = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(got_leaves, want_leaves)))
+        norm = np.sqrt(sum(np.sum(b ** 2) for b in want_leaves))
+        # Step 0's update: the same parameters and routing, so only elements with |g| at
+        # the reduction-order noise may move the other way. Step 1 starts from those
+        # parameters, and a token whose top-k choice sits on a near-tie can follow the
+        # noise to another expert: on one CI seed every layout's two-step update differed
+        # from the one-pass step's by 2.9% of its norm (session 49). So step 1 fails only
+        # on a gross difference, as lost or mis-sharded optimizer moments would make.
+        assert diff <= (1e-3 if step == 0 else 1e-1) * norm, (step, diff, norm, SEED)
