@@ -214,9 +214,9 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
     stages = _stages(cfg, tile_q)
     tiles_p, tiles_q = cdiv(p, CTA_M), cdiv(q, tile_q)  # partial last tiles as in _rows_kernel
 
-    def pipeline(body, compute_context, steps, first_block, blocks=None):
+    def pipeline(body, compute_context, steps, first_block, blocks):
         # Steps past the group's blocks (ring padding) reload its last block: in bounds.
-        block = lambda s: first_block + (s if blocks is None else jnp.minimum(s, blocks - 1))
+        block = lambda s: first_block + jnp.minimum(s, blocks - 1)
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(steps,),
@@ -236,7 +236,7 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
         )
 
     ignore = lambda *_, **__: None
-    allocs = pipeline(ignore, ignore, stages, 0).get_allocations(x_gmem, y_gmem)
+    allocs = pipeline(ignore, ignore, stages, 0, stages).get_allocations(x_gmem, y_gmem)
 
     @functools.partial(
         pl.run_scoped,
