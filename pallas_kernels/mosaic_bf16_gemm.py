@@ -29,9 +29,9 @@ from jax import lax
 
 from pallas_kernels.group_schedule import group_bounds
 from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state,
-                                           column_tile_widths, drain_chain, fill_slot,
-                                           persistent_call, store_rows, tile_visit,
-                                           tma_ready, visit_ends, wgrad_tile)
+                                           column_tile_widths, drain_chain,
+                                           persistent_call, stage_chunk, store_rows,
+                                           tile_visit, tma_ready, visit_ends, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -44,18 +44,29 @@ class Bf16Config:
     """tile_n: output columns per CTA (None: 256 for 2-byte outputs, else 128); each
     consumer holds a 64 x tile_n FP32 accumulator. stages: ring depth (None: 4 at
     tile_n = 256, where one stage is 48 KB; 5 at 128). epilogue_n: columns a consumer
-    stages in shared memory per TMA store (128, so four stages fit; None: the whole
-    tile). chain (fprop and dgrad): the producer runs on into the next tile's K steps
-    while the consumers store this one, when the ring depth divides the K steps.
-    grid_tile_width: width of the snake over output tiles (L2 reuse). Defaults: the best,
-    or within noise (~5%) of it, in a sweep on the H100 bench shapes
-    (docs/performance.md, 2026-11-23)."""
+    stages in shared memory per TMA store, in a ring of epilogue_slots slots (with two,
+    one chunk is cast while the other is stored). None: 64 in two slots for an fprop
+    with 2-byte outputs, else 128 in one (four stages fit beside either). On the H100
+    (session 50) two slots sped the fprop up 1-4% and cost the dgrad up to 2%. chain
+    (fprop and dgrad): the producer runs on into the next tile's K steps while the
+    consumers store this one, when the ring depth divides the K steps. grid_tile_width:
+    width of the snake over output tiles (L2 reuse). Defaults: the best, or within noise
+    (~5%) of it, in a sweep on the H100 bench shapes (docs/performance.md, 2026-11-23)."""
 
     tile_n: int | None = None
     stages: int | None = None
-    epilogue_n: int | None = 128
+    epilogue_n: int | None = None
+    epilogue_slots: int | None = None
     grid_tile_width: int = 8
     chain: bool = True
+
+    def __post_init__(self):
+        if self.epilogue_n is not None and (self.epilogue_n < STEP or self.epilogue_n % STEP):
+            raise ValueError(f"Bf16Config.epilogue_n={self.epilogue_n}: must be None or a "
+                             f"positive multiple of {STEP}")
+        if self.epilogue_slots not in (None, 1, 2):
+            raise ValueError(f"Bf16Config.epilogue_slots={self.epilogue_slots}: must be "
+                             "None, 1 or 2")
 
 
 DEFAULT_CONFIG = Bf16Config()
@@ -71,21 +82,23 @@ def _stages(cfg: Bf16Config, tile_n: int) -> int:
     return cfg.stages or (4 if tile_n == 256 else 5)
 
 
-def _epilogue_n(cfg: Bf16Config, tile_n: int) -> int:
-    return min(cfg.epilogue_n or tile_n, tile_n)
+def _epilogue_smem(cfg: Bf16Config, tile_n: int, out_dtype, fprop: bool):
+    """Each consumer's ring of epilogue slots, (2, slots, 64, columns), per `Bf16Config`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    two_slots = fprop and jnp.dtype(out_dtype).itemsize == 2
+    width = min(cfg.epilogue_n or (STEP if two_slots else 2 * STEP), tile_n)
+    slots = cfg.epilogue_slots or (2 if two_slots else 1)
+    return plgpu.SMEM((2, slots, WG_ROWS, width), out_dtype)
 
 
 def _store_chunks(values, out_smem, wg, store_chunk) -> None:
     """Casts a consumer's (64, tile_n) FP32 tile and stores it in epilogue-wide chunks
-    through its shared-memory slot: store_chunk(slot, first column) issues the TMA."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
+    through its ring of shared-memory slots: store_chunk(slot, first column) issues the
+    TMA."""
     width = out_smem.shape[-1]
-    for col in range(0, values.shape[1], width):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        fill_slot(out_smem, wg, values[:, col:col + width])
-        plgpu.commit_smem()
-        store_chunk(out_smem.at[wg], col)
+    for chunk, col in enumerate(range(0, values.shape[1], width)):
+        store_chunk(stage_chunk(out_smem, wg, chunk, values[:, col:col + width]), col)
 
 
 def _accumulating(width: int, store):
@@ -157,7 +170,7 @@ def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool
     @functools.partial(
         pl.run_scoped,
         allocs=allocs,
-        out_smem=plgpu.SMEM((2, WG_ROWS, _epilogue_n(cfg, tile_n)), out_gmem.dtype),
+        out_smem=_epilogue_smem(cfg, tile_n, out_gmem.dtype, fprop=b_kn),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
@@ -241,7 +254,7 @@ def _tn_kernel(starts_gmem, ends_gmem, x_gmem, y_gmem, out_gmem, *, tile_q: int,
     @functools.partial(
         pl.run_scoped,
         allocs=allocs,
-        out_smem=plgpu.SMEM((2, WG_ROWS, _epilogue_n(cfg, tile_q)), out_gmem.dtype),
+        out_smem=_epilogue_smem(cfg, tile_q, out_gmem.dtype, fprop=False),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):

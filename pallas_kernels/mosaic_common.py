@@ -207,15 +207,26 @@ def column_tile_widths(ni, tiles_n: int, tile_n: int, edge_n: int):
     return ((tile_n, ~is_edge), (edge_n, is_edge))
 
 
-def fill_slot(out_smem, wg, values: jax.Array) -> None:
-    """Consumer wg's epilogue slot of out_smem (2, 64, width) := values, cast. An edge
-    tile's narrower part fills the slot's first columns: the TMA store of the whole slot
-    clips the rest, which lies past the output's last column."""
+def stage_chunk(out_smem, wg, chunk: int, values: jax.Array):
+    """Consumer wg's slot for the chunk-th store of a tile, in its ring of epilogue slots
+    out_smem (2, slots, 64, width), filled with values (cast) and ready for a TMA store.
+    A tile's first chunk waits for every earlier store (the tile before may have ended on
+    any slot); a later one only for the stores that read its slot, so with two slots one
+    chunk is cast while the other leaves. An edge tile's narrower part fills the slot's
+    first columns: the TMA store of the whole slot clips the rest, which lies past the
+    output's last column."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    slots = out_smem.shape[1]
+    plgpu.wait_smem_to_gmem(0 if chunk == 0 else slots - 1, wait_read_only=True)
+    slot = out_smem.at[wg, chunk % slots]
     values = values.astype(out_smem.dtype)
     if values.shape[1] == out_smem.shape[-1]:
-        out_smem[wg] = values
+        slot[...] = values
     else:
-        out_smem[wg, :, :values.shape[1]] = values
+        slot[:, :values.shape[1]] = values
+    plgpu.commit_smem()
+    return slot
 
 
 def chained_state(chained: bool, ran_before):

@@ -36,9 +36,9 @@ from jax import lax
 
 from pallas_kernels import mosaic_common
 from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state,
-                                           column_tile_widths, drain_chain, fill_slot,
-                                           persistent_call, store_rows, tile_visit,
-                                           tma_ready, visit_ends, wgrad_tile)
+                                           column_tile_widths, drain_chain,
+                                           persistent_call, stage_chunk, store_rows,
+                                           tile_visit, tma_ready, visit_ends, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -211,22 +211,11 @@ def _with_staging(allocs, out_dtype, body) -> None:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     @functools.partial(pl.run_scoped, allocs=allocs,
-                       out_smem=plgpu.SMEM((2, WG_ROWS, TILE_N), out_dtype),
+                       out_smem=plgpu.SMEM((2, 1, WG_ROWS, TILE_N), out_dtype),
                        collective_axes="wg")
     def _scope(allocs, out_smem):
         body(allocs, out_smem, lax.axis_index("wg"))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _stage(out_smem, wg, values: jax.Array):
-    """This consumer's epilogue slot holding `values` in the output dtype, ready for a TMA
-    store (once the slot's previous store has read it out)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    fill_slot(out_smem, wg, values)
-    plgpu.commit_smem()
-    return out_smem.at[wg]
 
 
 def _store_halves(out_smem, wg, sums, first_col, limit: int, write) -> None:
@@ -240,7 +229,7 @@ def _store_halves(out_smem, wg, sums, first_col, limit: int, write) -> None:
 
         @pl.when(col0 < limit)
         def _store():
-            write(_stage(out_smem, wg, values), pl.ds(col0, TILE_N))
+            write(stage_chunk(out_smem, wg, half, values), pl.ds(col0, TILE_N))
 
 
 def _kernel(ends_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
@@ -376,7 +365,8 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
             # lengths in a row desynchronize the ring's barrier phases); the extra steps
             # read the next piece's tokens or zero-filled blocks and are not accumulated.
             # Skipping their WGMMAs by `lax.cond` (as the BF16 wgrad skips its own) made
-            # the call 2x slower on the H100 (session 49).
+            # the call 2x slower on the H100 (session 49), and by `pl.when` around the
+            # WGMMA in its scoped accumulator 2.7x (611 -> 230 TFLOP/s, session 50).
             steps = lax.div(blocks + (cfg.stages - 1), jnp.int32(cfg.stages)) * cfg.stages
 
             def store(sums):

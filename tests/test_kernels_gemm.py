@@ -221,6 +221,15 @@ def test_mosaic_bf16_kernels_reject_other_dtypes():
         mosaic_bf16_gemm.grouped_matmul_tn(a, a, sizes)
 
 
+@pytest.mark.parametrize("field,value", [("epilogue_n", 96), ("epilogue_n", 0),
+                                         ("epilogue_slots", 3)])
+def test_mosaic_bf16_config_names_a_bad_epilogue(field, value):
+    from pallas_kernels import mosaic_bf16_gemm
+
+    with pytest.raises(ValueError, match=f"Bf16Config.{field}={value}: must be"):
+        mosaic_bf16_gemm.Bf16Config(**{field: value})
+
+
 def test_mosaic_kernel_outputs_vary_like_their_operands(monkeypatch):
     """``plgpu.kernel`` types its output as the same on every device; inside a shard_map
     that checks varying axes, each Mosaic op's output must vary over ``expert`` like its
@@ -484,26 +493,29 @@ def test_turned_columns_deal_the_narrow_tile_to_every_sm(tiles_n, sms):
     assert after.max() - after.min() <= 1 and after.min() > 0
 
 
-@pytest.mark.parametrize("stages", [None, 4])
-def test_mosaic_bf16_fprop_kernel_interpreted_on_cpu(stages):
+@pytest.mark.parametrize("stages,out_dtype", [(None, jnp.float32), (4, jnp.float32),
+                                              (None, jnp.bfloat16)])
+def test_mosaic_bf16_fprop_kernel_interpreted_on_cpu(stages, out_dtype):
     """The Mosaic GPU fprop kernel itself (persistent tile walk, visits of row tiles that
     straddle groups, the TMA ring, the store ladder) run by Mosaic GPU's interpreter on 3
     CTAs, against float64: groups of 0, 1, 127 and 129 rows, zeros past their sum. Its 4
     K steps do not chain on the default 5-deep ring; a 4-deep one chains them, and the
     interpreter fails a chain whose last releases the producer leaves unawaited
-    (`mosaic_common.drain_chain`). No partial last column tile: the interpreter refuses
-    the loads past the edge that TMA zero-fills (the GPU tests cover it)."""
+    (`mosaic_common.drain_chain`). BF16 outputs take 256-column tiles, stored as four
+    64-column chunks through two epilogue slots. No partial last column tile: the
+    interpreter refuses the loads past the edge that TMA zero-fills (the GPU tests cover
+    it)."""
     from pallas_kernels import mosaic_bf16_gemm
 
     rng = np.random.default_rng(11)
     sizes = np.array([0, 1, 127, 129])
-    a, b = _normal(rng, (320, 256)), _normal(rng, (4, 256, 384))
+    a, b = _normal(rng, (320, 256)), _normal(rng, (4, 256, 512))
     cfg = mosaic_bf16_gemm.Bf16Config(stages=stages)
     got = mosaic_bf16_gemm.grouped_matmul(a, b, jnp.asarray(sizes, jnp.int32), b_kn=True,
-                                          out_dtype=jnp.float32, cfg=cfg, interpret=True)
-    want = np.zeros((320, 384))
+                                          out_dtype=out_dtype, cfg=cfg, interpret=True)
+    want = np.zeros((320, 512))
     ends = np.cumsum(sizes)
     for g, (start, end) in enumerate(zip(ends - sizes, ends)):
         want[start:end] = _f64(a)[start:end] @ _f64(b)[g]
-    assert _rel(got, want) <= 1e-6
+    assert _rel(got, want) <= (1e-6 if out_dtype == jnp.float32 else 4e-3)
     assert not np.asarray(got)[ends[-1]:].any()
