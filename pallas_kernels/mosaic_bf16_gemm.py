@@ -31,7 +31,8 @@ from pallas_kernels.group_schedule import group_bounds
 from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state,
                                            column_tile_widths, drain_chain,
                                            persistent_call, stage_chunk, store_rows,
-                                           tile_visit, tma_ready, visit_ends, wgrad_tile)
+                                           tile_visit, tma_ready, visit_table,
+                                           wgrad_tile, with_visit_table)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -45,9 +46,12 @@ class Bf16Config:
     consumer holds a 64 x tile_n FP32 accumulator. stages: ring depth (None: 4 at
     tile_n = 256, where one stage is 48 KB; 5 at 128). epilogue_n: columns a consumer
     stages in shared memory per TMA store, in a ring of epilogue_slots slots (with two,
-    one chunk is cast while the other is stored). None: 64 in two slots for an fprop
+    one chunk is cast while the other is stored): 64 or 128 (a whole 256-wide tile in
+    one slot failed the fprop's narrow edge tile). None: 64 in two slots for an fprop
     with 2-byte outputs, else 128 in one (four stages fit beside either). On the H100
-    (session 50) two slots sped the fprop up 1-4% and cost the dgrad up to 2%. chain
+    (session 50) two slots sped the fprop up 1-4% and cost the dgrad up to 2%; a 3-deep
+    ring (room for two 128-wide slots) lost 3-8% on 64 routed groups and on K 1024, and
+    gained 2% only on one group of K 704. chain
     (fprop and dgrad): the producer runs on into the next tile's K steps while the
     consumers store this one, when the ring depth divides the K steps. grid_tile_width:
     width of the snake over output tiles (L2 reuse). Defaults: the best, or within noise
@@ -61,9 +65,9 @@ class Bf16Config:
     chain: bool = True
 
     def __post_init__(self):
-        if self.epilogue_n is not None and (self.epilogue_n < STEP or self.epilogue_n % STEP):
-            raise ValueError(f"Bf16Config.epilogue_n={self.epilogue_n}: must be None or a "
-                             f"positive multiple of {STEP}")
+        if self.epilogue_n not in (None, STEP, 2 * STEP):
+            raise ValueError(f"Bf16Config.epilogue_n={self.epilogue_n}: must be None, "
+                             f"{STEP} or {2 * STEP}")
         if self.epilogue_slots not in (None, 1, 2):
             raise ValueError(f"Bf16Config.epilogue_slots={self.epilogue_slots}: must be "
                              "None, 1 or 2")
@@ -121,7 +125,7 @@ def _transforms():
     return (plgpu.TilingTransform((8, STEP)), plgpu.SwizzleTransform(SWIZZLE))
 
 
-def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool,
+def _rows_kernel(table_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool,
                  tile_n: int, cfg: Bf16Config):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -176,46 +180,48 @@ def _rows_kernel(ends_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: bool
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm", init_carry=jnp.int32(0))
-        def _tiles(info, carry):
-            ni, group, row0, wg_row0, first, count = tile_visit(
-                info, tiles_m, tiles_n, cfg.grid_tile_width, wg, ends_gmem, groups,
-                narrow_last=edge_n < tile_n)
-            def store(values):
-                width = out_smem.shape[-1]
-                _store_chunks(values, out_smem, wg, lambda slot, col: store_rows(
-                    slot, out_gmem.at[:, pl.ds(ni * tile_n + col, width)], wg_row0, first,
-                    count))
+        @functools.partial(with_visit_table, table_gmem)
+        def _walk(table):
+            @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm", init_carry=jnp.int32(0))
+            def _tiles(info, carry):
+                ni, group, row0, wg_row0, first, count = tile_visit(
+                    info, tiles_m, tiles_n, cfg.grid_tile_width, wg, table, groups,
+                    narrow_last=edge_n < tile_n)
+                def store(values):
+                    width = out_smem.shape[-1]
+                    _store_chunks(values, out_smem, wg, lambda slot, col: store_rows(
+                        slot, out_gmem.at[:, pl.ds(ni * tile_n + col, width)], wg_row0, first,
+                        count))
 
-            def step(width):
-                def multiply(_, a_smem, b_smem, acc):
-                    if width < tile_n:  # fprop only: b_smem is (K step, tile_n)
-                        b_smem = b_smem.at[:, :width]
-                    b = b_smem if b_kn else plgpu.transpose_ref(b_smem, (1, 0))
-                    plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b)
-                    plgpu.wgmma_wait(in_flight)
-                    return acc
-                return multiply
+                def step(width):
+                    def multiply(_, a_smem, b_smem, acc):
+                        if width < tile_n:  # fprop only: b_smem is (K step, tile_n)
+                            b_smem = b_smem.at[:, :width]
+                        b = b_smem if b_kn else plgpu.transpose_ref(b_smem, (1, 0))
+                        plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b)
+                        plgpu.wgmma_wait(in_flight)
+                        return acc
+                    return multiply
 
-            runs = group < groups
-            state = chained_state(chained, carry)
-            for width, here in column_tile_widths(ni, tiles_n, tile_n, edge_n):
-                @pl.when(runs & here)
-                def _real(width=width):
-                    b_group = b_gmem.at[group]
-                    b_cols = (b_group.at[:, pl.ds(ni * tile_n, tile_n)] if b_kn
-                              else b_group.at[pl.ds(ni * tile_n, tile_n)])
-                    pipeline(step(width), _accumulating(width, store), state)(
-                        a_gmem.at[pl.ds(row0, CTA_M)], b_cols, allocations=allocs)
+                runs = group < groups
+                state = chained_state(chained, carry)
+                for width, here in column_tile_widths(ni, tiles_n, tile_n, edge_n):
+                    @pl.when(runs & here)
+                    def _real(width=width):
+                        b_group = b_gmem.at[group]
+                        b_cols = (b_group.at[:, pl.ds(ni * tile_n, tile_n)] if b_kn
+                                  else b_group.at[pl.ds(ni * tile_n, tile_n)])
+                        pipeline(step(width), _accumulating(width, store), state)(
+                            a_gmem.at[pl.ds(row0, CTA_M)], b_cols, allocations=allocs)
 
-            @pl.when((group == groups) & (wg < 2))
-            def _zeros():
-                store(jnp.zeros((WG_ROWS, tile_n), jnp.float32))
+                @pl.when((group == groups) & (wg < 2))
+                def _zeros():
+                    store(jnp.zeros((WG_ROWS, tile_n), jnp.float32))
 
-            return carry | runs.astype(jnp.int32)
+                return carry | runs.astype(jnp.int32)
 
-        if chained:
-            drain_chain(allocs, stages, _tiles)
+            if chained:
+                drain_chain(allocs, stages, _tiles)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -339,9 +345,9 @@ def grouped_matmul(a, b, group_sizes, *, b_kn: bool, out_dtype=jnp.bfloat16,
     a = _pad_axis(_pad_axis(a, 1, STEP), 0, CTA_M)
     b = tma_ready(_pad_axis(b, 1, STEP), 2) if b_kn else tma_ready(_pad_axis(b, 2, STEP), 1)
     mp, np_ = a.shape[0], (b.shape[2] if b_kn else b.shape[1])
-    ends = visit_ends(group_sizes, m)
+    table = visit_table(group_sizes, m)
     body = functools.partial(_rows_kernel, groups=groups, b_kn=b_kn, tile_n=tile_n, cfg=cfg)
-    out = persistent_call(body, _out_shape((mp, np_), out_dtype, a, b), ends, a, b,
+    out = persistent_call(body, _out_shape((mp, np_), out_dtype, a, b), table, a, b,
                           name="bf16_grouped_gemm" if b_kn else "bf16_grouped_dgrad_gemm",
                           interpret=interpret)
     return out[:m, :n] if (mp, np_) != (m, n) else out

@@ -6,11 +6,14 @@ store only the visit's rows with a ladder of power-of-two TMA stores.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.group_schedule import group_bounds
+from pallas_kernels.quantize import cdiv
 from pallas_kernels.triton_gemm import _pad_axis
 from pallas_kernels.varying import mark_varying, varying_union
 
@@ -128,40 +131,78 @@ def wgrad_tile(info, tiles_p: int, tiles_q: int, grid_tile_width: int):
     return lax.div(t, per_group), pi, qi
 
 
-def tile_owner(t, ends_gmem, groups: int, block_m: int):
-    """(group, row block, first row, end row) of visit t; group == groups means the
-    zero rows past the last group, groups + 1 a slot past the last visit, which runs
-    nothing (to session 48 such slots went to group 0 and multiplied a tile of no rows:
-    64 equal groups ran 5% slower). Unrolled over the G+1 boundaries: static loads. A
-    table of visits read at each visit's index (`group_schedule.tile_schedule`) was 7-9%
-    slower on one group and 0-4% faster on 64 (docs/performance.md, session 48)."""
+TABLE_COLUMNS = 64  # int32 entries per row of the walk's table: 256-byte TMA rows
+
+
+def visit_table(group_sizes: jax.Array, m: int) -> jax.Array:
+    """The row walk's table (`tile_owner`), (2 * width / 64, 64) int32: field 0 holds each
+    entry's first visit, field 1 its first row, for the G groups (rows as `group_bounds`
+    gives them to the wgrad, so the kernels agree on them; a negative size counts as
+    none), then the zero rows past the last group, then a sentinel (the visit count, m);
+    width is G + 2 rounded up to 64. A row tile that straddles groups is visited once per
+    group (`group_schedule`). The kernels read it into shared memory once
+    (`with_visit_table`)."""
+    groups = group_sizes.shape[0]
+    starts, ends = group_bounds(group_sizes.astype(jnp.int32), m)
+    total = ends[-1]
+    starts = jnp.concatenate([starts, jnp.stack([total, jnp.int32(m)])])
+    ends = jnp.concatenate([ends, jnp.full((2,), m, jnp.int32)])
+    first = lax.div(starts, jnp.int32(CTA_M))
+    count = jnp.where(ends > starts, lax.div(ends - 1, jnp.int32(CTA_M)) - first + 1, 0)
+    offsets = jnp.cumsum(count) - count
+    width = cdiv(groups + 2, TABLE_COLUMNS) * TABLE_COLUMNS
+    fields = [jnp.pad(f.astype(jnp.int32), (0, width - groups - 2)) for f in (offsets, starts)]
+    return jnp.concatenate(fields).reshape(-1, TABLE_COLUMNS)
+
+
+def tile_owner(t, table, groups: int, block_m: int):
+    """(group, row block, first row, end row) of visit t, from `visit_table` (an array,
+    or its shared-memory copy in a kernel): the last entry whose first visit is at most
+    t, by a binary search of ceil(log2(G + 2)) dependent loads. group == groups means
+    the zero rows past the last group, groups + 1 a slot past the last visit, which runs
+    nothing (to session 48 such slots multiplied a tile of no rows). To session 50 the
+    kernels walked all G + 1 group ends in global memory at every visit: 98304 rows,
+    K 704 -> N 1024 ran at 616 TFLOP/s in one group and 507 in 64 on the H100, a loss
+    that grew with G (docs/performance.md)."""
     i32 = jnp.int32
-    block = lo = hi = i32(0)
-    group = i32(groups + 1)  # a slot past the last visit: runs nothing
-    offset = start = i32(0)
-    for g in range(groups + 1):
-        end = ends_gmem[g]
-        first = lax.div(start, i32(block_m))
-        count = jnp.where(end > start, lax.div(end - 1, i32(block_m)) - first + 1, 0)
-        hit = (offset <= t) & (t < offset + count)
-        group = lax.select(hit, i32(g), group)
-        block = lax.select(hit, first + t - offset, block)
-        lo = lax.select(hit, start, lo)
-        hi = lax.select(hit, end, hi)
-        offset = offset + count
-        start = end
-    return group, block, lo, hi
+    width = table.shape[0] * TABLE_COLUMNS // 2
+    last = groups + 1
+
+    def entry(field: int, g):
+        flat = g + field * width
+        return table[lax.div(flat, i32(TABLE_COLUMNS)), lax.rem(flat, i32(TABLE_COLUMNS))]
+
+    group = i32(0)
+    step = 1 << (last.bit_length() - 1)
+    while step:
+        candidate = group + step
+        fits = candidate <= last
+        group = lax.select(fits & (entry(0, jnp.minimum(candidate, last)) <= t),
+                           candidate, group)
+        step //= 2
+    start, end = entry(1, group), entry(1, jnp.minimum(group + 1, last))
+    block = lax.div(start, i32(block_m)) + t - entry(0, group)
+    return group, block, start, end
 
 
-def visit_ends(group_sizes: jax.Array, m: int) -> jax.Array:
-    """(G + 1,) end row of each group, then of the zero rows past the last group: what
-    `tile_owner` walks. The groups' rows as `group_bounds` gives them to the wgrad (a
-    negative size counts as none), so the row and wgrad kernels agree on them."""
-    _, ends = group_bounds(group_sizes.astype(jnp.int32), m)
-    return jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+def with_visit_table(table_gmem, body) -> None:
+    """body(table) with the row walk's table (`visit_table`) read into shared memory once
+    by one TMA: every warpgroup then walks it with shared-memory loads."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @functools.partial(pl.run_scoped, table=plgpu.SMEM(table_gmem.shape, jnp.int32),
+                       barrier=plgpu.Barrier(num_arrivals=1), collective_axes="wg")
+    def _scope(table, barrier):
+        @pl.when(lax.axis_index("wg") == 0)
+        def _load():
+            plgpu.copy_gmem_to_smem(table_gmem, table, barrier)
+
+        plgpu.barrier_wait(barrier)
+        body(table)
 
 
-def tile_visit(info, tiles_m: int, tiles_n: int, grid_tile_width: int, wg, ends_gmem,
+def tile_visit(info, tiles_m: int, tiles_n: int, grid_tile_width: int, wg, table,
                groups: int, narrow_last: bool = False):
     """The (row visit, column tile) of an `nd_loop` step over the persistent grid, as
     (column tile, group, first row of the CTA tile, first row of the warpgroup's 64-row
@@ -182,7 +223,7 @@ def tile_visit(info, tiles_m: int, tiles_n: int, grid_tile_width: int, wg, ends_
     sms = lax.axis_size("sm")  # the grid's size: static
     if narrow_last and tiles_n <= grid_tile_width and sms % tiles_n == 0:
         ni = turned_column(mi, ni, tiles_n, sms)
-    group, block, lo, hi = tile_owner(mi, ends_gmem, groups, CTA_M)
+    group, block, lo, hi = tile_owner(mi, table, groups, CTA_M)
     row0 = block * CTA_M
     wg_row0 = row0 + wg * WG_ROWS
     first = jnp.clip(lo - wg_row0, 0, WG_ROWS)

@@ -221,7 +221,7 @@ def test_mosaic_bf16_kernels_reject_other_dtypes():
         mosaic_bf16_gemm.grouped_matmul_tn(a, a, sizes)
 
 
-@pytest.mark.parametrize("field,value", [("epilogue_n", 96), ("epilogue_n", 0),
+@pytest.mark.parametrize("field,value", [("epilogue_n", 96), ("epilogue_n", 256),
                                          ("epilogue_slots", 3)])
 def test_mosaic_bf16_config_names_a_bad_epilogue(field, value):
     from pallas_kernels import mosaic_bf16_gemm
@@ -451,27 +451,35 @@ def test_row_visits_cover_each_block_once_per_group_it_touches(request, walk):
     nothing. A slot given to a real group multiplies a tile of no rows: the Mosaic
     kernels' walk did that to session 48. A negative size (not a valid input) must give
     the rows the wgrad's `group_bounds` gives: none."""
-    from pallas_kernels.mosaic_common import tile_owner, visit_ends
+    from pallas_kernels.mosaic_common import tile_owner, visit_table
 
     rng = _rng(request)
     for sizes in (np.array([0, 1, 127, 128, 129, 300, 0]), np.full(8, 256),
                   rng.multinomial(2000, rng.dirichlet(np.full(16, 0.5))),
-                  np.array([200, -50, 100])):
+                  np.array([200, -50, 100]),
+                  rng.multinomial(9000, rng.dirichlet(np.full(70, 0.5)))):  # 2 table rows a field
         groups, total = len(sizes), int(np.maximum(sizes, 0).sum())
         for m in (total, total + 37):
             slots = jnp.arange(num_tiles(m, groups, 128), dtype=jnp.int32)
             if walk == "tile_schedule":
                 sched = tile_schedule(jnp.asarray(sizes, jnp.int32), m, 128)
                 group, block = sched.tile_group, sched.tile_block
+                lo, hi = sched.starts[group], sched.ends[group]
             else:
-                ends = visit_ends(jnp.asarray(sizes, jnp.int32), m)
-                group, block, _, _ = jax.vmap(lambda t: tile_owner(t, ends, groups, 128))(slots)
-            group, block = np.asarray(group), np.asarray(block)
+                table = visit_table(jnp.asarray(sizes, jnp.int32), m)
+                group, block, lo, hi = jax.vmap(
+                    lambda t: tile_owner(t, table, groups, 128))(slots)
+            group, block, lo, hi = (np.asarray(v) for v in (group, block, lo, hi))
             want = _row_visits(sizes, m, 128)
             runs = group <= groups
             assert sorted(zip(group[runs].tolist(), block[runs].tolist())) == want
             assert runs.sum() == len(want) and not runs[len(want):].any()
             assert (group[len(want):] == groups + 1).all()
+            # Each visit's rows are its group's: [start, end) as `group_bounds` has them.
+            bounds = np.append(0, np.cumsum(np.maximum(sizes, 0)))
+            bounds = np.append(bounds, m)  # the zero rows past the last group end at m
+            assert (lo[runs] == bounds[group[runs]]).all()
+            assert (hi[runs] == bounds[group[runs] + 1]).all()
 
 
 @pytest.mark.parametrize("tiles_n, sms", [(3, 132), (6, 132), (2, 12)])
