@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,10 +49,11 @@ class Bf16Config:
     stages in shared memory per TMA store, in a ring of epilogue_slots slots (with two,
     one chunk is cast while the other is stored): 64 or 128 (a whole 256-wide tile in
     one slot failed the fprop's narrow edge tile). None: 64 in two slots for an fprop
-    with 2-byte outputs, else 128 in one (four stages fit beside either). On the H100
-    (session 50) two slots sped the fprop up 1-4% and cost the dgrad up to 2%; a 3-deep
-    ring (room for two 128-wide slots) lost 3-8% on 64 routed groups and on K 1024, and
-    gained 2% only on one group of K 704. chain
+    with 2-byte outputs, else 128 in one (the default rings fit beside either). On the
+    H100 (session 50) two slots moved the fprop by -0.3% to +3.7% (64 routed groups,
+    K 1024: +3.4%) and the dgrad by -2.5% to +2.7%, so only the fprop takes them; a
+    3-deep ring (room for two 128-wide slots) lost 3-8% on 64 routed groups and on
+    K 1024, and gained 2% only on one group of K 704. chain
     (fprop and dgrad): the producer runs on into the next tile's K steps while the
     consumers store this one, when the ring depth divides the K steps. grid_tile_width:
     width of the snake over output tiles (L2 reuse). Defaults: the best, or within noise
@@ -84,6 +86,11 @@ def _tile_n(cfg: Bf16Config, out_dtype) -> int:
 
 def _stages(cfg: Bf16Config, tile_n: int) -> int:
     return cfg.stages or (4 if tile_n == 256 else 5)
+
+
+# Shared memory left beside the default rings and epilogue slots (224 KB of the H100's
+# 227) for the row walk's table (`mosaic_common.visit_table`): up to 254 groups.
+TABLE_SPARE_BYTES = 2048
 
 
 def _epilogue_smem(cfg: Bf16Config, tile_n: int, out_dtype, fprop: bool):
@@ -145,6 +152,9 @@ def _rows_kernel(table_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: boo
                         else ((tile_n, STEP), lambda s: (0, s)))
 
     k_steps, stages = k // STEP, _stages(cfg, tile_n)
+    table_bytes = math.prod(table_gmem.shape) * jnp.dtype(table_gmem.dtype).itemsize
+    if table_bytes > TABLE_SPARE_BYTES and stages > 1:
+        stages -= 1  # the walk's table of over 254 groups does not fit beside a full ring
     chained = cfg.chain and k_steps % stages == 0
     # Chained pipelines cannot delay a slot's release, so each WGMMA is awaited in its
     # own step there; the other consumer's WGMMA keeps the tensor cores busy meanwhile.
@@ -182,11 +192,13 @@ def _rows_kernel(table_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: boo
 
         @functools.partial(with_visit_table, table_gmem)
         def _walk(table):
-            @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm", init_carry=jnp.int32(0))
+            @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm",
+                           init_carry=jnp.int32(0))
             def _tiles(info, carry):
                 ni, group, row0, wg_row0, first, count = tile_visit(
                     info, tiles_m, tiles_n, cfg.grid_tile_width, wg, table, groups,
                     narrow_last=edge_n < tile_n)
+
                 def store(values):
                     width = out_smem.shape[-1]
                     _store_chunks(values, out_smem, wg, lambda slot, col: store_rows(

@@ -1,8 +1,9 @@
 """Pieces shared by the Mosaic GPU (Hopper WGMMA) grouped GEMM kernels.
 
 Both the FP8 and the BF16 kernels walk the same persistent grid of (row tile, column
-tile) visits, where a row tile that straddles groups is visited once per group, and
-store only the visit's rows with a ladder of power-of-two TMA stores.
+tile) visits, where a row tile that straddles groups is visited once per group (found in
+a table held in shared memory), and store only the visit's rows with a ladder of
+power-of-two TMA stores.
 """
 from __future__ import annotations
 
@@ -132,6 +133,9 @@ def wgrad_tile(info, tiles_p: int, tiles_q: int, grid_tile_width: int):
 
 
 TABLE_COLUMNS = 64  # int32 entries per row of the walk's table: 256-byte TMA rows
+# At most 8 KB of table (1022 groups): what every row kernel's default ring and epilogue
+# leave room for (the BF16 ones after giving up a ring stage past 254 groups).
+TABLE_MAX_BYTES = 8192
 
 
 def visit_table(group_sizes: jax.Array, m: int) -> jax.Array:
@@ -143,6 +147,11 @@ def visit_table(group_sizes: jax.Array, m: int) -> jax.Array:
     group (`group_schedule`). The kernels read it into shared memory once
     (`with_visit_table`)."""
     groups = group_sizes.shape[0]
+    width = cdiv(groups + 2, TABLE_COLUMNS) * TABLE_COLUMNS
+    if 2 * width * 4 > TABLE_MAX_BYTES:
+        raise ValueError(f"{groups} groups: the grouped GEMM kernels take at most "
+                         f"{TABLE_MAX_BYTES // 8 - 2} (their walk's table must fit in shared "
+                         "memory beside the ring)")
     starts, ends = group_bounds(group_sizes.astype(jnp.int32), m)
     total = ends[-1]
     starts = jnp.concatenate([starts, jnp.stack([total, jnp.int32(m)])])
@@ -150,20 +159,20 @@ def visit_table(group_sizes: jax.Array, m: int) -> jax.Array:
     first = lax.div(starts, jnp.int32(CTA_M))
     count = jnp.where(ends > starts, lax.div(ends - 1, jnp.int32(CTA_M)) - first + 1, 0)
     offsets = jnp.cumsum(count) - count
-    width = cdiv(groups + 2, TABLE_COLUMNS) * TABLE_COLUMNS
     fields = [jnp.pad(f.astype(jnp.int32), (0, width - groups - 2)) for f in (offsets, starts)]
     return jnp.concatenate(fields).reshape(-1, TABLE_COLUMNS)
 
 
-def tile_owner(t, table, groups: int, block_m: int):
+def tile_owner(t, table, groups: int):
     """(group, row block, first row, end row) of visit t, from `visit_table` (an array,
     or its shared-memory copy in a kernel): the last entry whose first visit is at most
-    t, by a binary search of ceil(log2(G + 2)) dependent loads. group == groups means
-    the zero rows past the last group, groups + 1 a slot past the last visit, which runs
-    nothing (to session 48 such slots multiplied a tile of no rows). To session 50 the
-    kernels walked all G + 1 group ends in global memory at every visit: 98304 rows,
-    K 704 -> N 1024 ran at 616 TFLOP/s in one group and 507 in 64 on the H100, a loss
-    that grew with G (docs/performance.md)."""
+    t, by a binary search of ceil(log2(G + 2)) dependent loads (the table's padding is
+    never read). group == groups means the zero rows past the last group, groups + 1 a
+    slot past the last visit, which runs nothing and whose block and rows mean nothing
+    (to session 48 such slots multiplied a tile of no rows). To session 50 the kernels
+    walked all G + 1 group ends in global memory at every visit: 98304 rows, K 704 ->
+    N 1024 ran at 616 TFLOP/s in one group and 508 in 64 on the H100, a loss that grew
+    with G (docs/performance.md)."""
     i32 = jnp.int32
     width = table.shape[0] * TABLE_COLUMNS // 2
     last = groups + 1
@@ -181,7 +190,7 @@ def tile_owner(t, table, groups: int, block_m: int):
                            candidate, group)
         step //= 2
     start, end = entry(1, group), entry(1, jnp.minimum(group + 1, last))
-    block = lax.div(start, i32(block_m)) + t - entry(0, group)
+    block = lax.div(start, i32(CTA_M)) + t - entry(0, group)
     return group, block, start, end
 
 
@@ -223,7 +232,7 @@ def tile_visit(info, tiles_m: int, tiles_n: int, grid_tile_width: int, wg, table
     sms = lax.axis_size("sm")  # the grid's size: static
     if narrow_last and tiles_n <= grid_tile_width and sms % tiles_n == 0:
         ni = turned_column(mi, ni, tiles_n, sms)
-    group, block, lo, hi = tile_owner(mi, table, groups, CTA_M)
+    group, block, lo, hi = tile_owner(mi, table, groups)
     row0 = block * CTA_M
     wg_row0 = row0 + wg * WG_ROWS
     first = jnp.clip(lo - wg_row0, 0, WG_ROWS)
@@ -253,9 +262,11 @@ def stage_chunk(out_smem, wg, chunk: int, values: jax.Array):
     out_smem (2, slots, 64, width), filled with values (cast) and ready for a TMA store.
     A tile's first chunk waits for every earlier store (the tile before may have ended on
     any slot); a later one only for the stores that read its slot, so with two slots one
-    chunk is cast while the other leaves. An edge tile's narrower part fills the slot's
-    first columns: the TMA store of the whole slot clips the rest, which lies past the
-    output's last column."""
+    chunk is cast while the other leaves. That wait leaves one store group in flight,
+    which is the last chunk's because every chunk of a tile issues as many stores as the
+    visit's row ladder needs (the same for each). An edge tile's narrower part fills the
+    slot's first columns: the TMA store of the whole slot clips the rest, which lies past
+    the output's last column."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     slots = out_smem.shape[1]

@@ -271,7 +271,8 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
     def _scope(allocs, out_smem, wg):
         @functools.partial(with_visit_table, table_gmem)
         def _walk(table):
-            @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm", init_carry=jnp.int32(0))
+            @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm",
+                           init_carry=jnp.int32(0))
             def _tiles(info, carry):
                 ni, group, row0, wg_row0, first, count = tile_visit(
                     info, tiles_m, tiles_n, cfg.grid_tile_width, wg, table, groups,
@@ -279,7 +280,8 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
 
                 def store(sums):
                     _store_halves(out_smem, wg, sums, ni * tile_n, n, lambda staged, cols:
-                                  store_rows(staged, out_gmem.at[:, cols], wg_row0, first, count))
+                                  store_rows(staged, out_gmem.at[:, cols], wg_row0, first,
+                                             count))
 
                 def compute_context(width):
                     def context(run):
@@ -292,7 +294,8 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                     for half, total in enumerate(sums):
                         b_part = b_smem.at[pl.ds(half * TILE_N, total.shape[1])]
                         part = _block_product(a_smem, b_part, wg)
-                        sb = _load_vector(b_scale_smem.at[0, pl.ds(half * WG_ROWS, WG_ROWS)], 0)
+                        sb = _load_vector(
+                            b_scale_smem.at[0, pl.ds(half * WG_ROWS, WG_ROWS)], 0)
                         promoted.append(total + part * _broadcast(sa * sb, part.shape, 0))
                     return tuple(promoted)
 

@@ -306,6 +306,40 @@ def test_mosaic_kernels_lower_for_a_hopper_on_cpu(monkeypatch):
         assert name in text
 
 
+def test_row_kernels_fit_a_walk_table_of_many_groups(monkeypatch):
+    """The row walk's table sits in shared memory beside the ring: past 254 groups the
+    BF16 kernels give up a ring stage for it (without, 300 groups lowered to 232520 bytes
+    of the H100's 232448). At the most groups the table allows, 1022, every row kernel
+    still lowers, the FP8 one on its wide tile with FP32 outputs (its largest staging);
+    past that the table is refused by name."""
+    from pallas_kernels import mosaic_bf16_gemm, mosaic_common, mosaic_gemm
+
+    monkeypatch.setattr(mosaic_common, "sm_count", lambda: 132)
+    groups = 1022
+    bf16, fp8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
+    wide = mosaic_gemm.MosaicConfig().with_tile_n(mosaic_gemm.WIDE_TILE_N)
+    spec = jax.ShapeDtypeStruct
+    a, sizes = spec((1024, 256), bf16), spec((groups,), jnp.int32)
+    calls = [
+        (lambda a, b, s: mosaic_bf16_gemm.grouped_matmul(a, b, s, b_kn=True),
+         (a, spec((groups, 256, 384), bf16), sizes)),
+        (lambda a, b, s: mosaic_bf16_gemm.grouped_matmul(a, b, s, b_kn=True, out_dtype=f32),
+         (a, spec((groups, 256, 384), bf16), sizes)),
+        (lambda a, b, s: mosaic_bf16_gemm.grouped_matmul(a, b, s, b_kn=False),
+         (a, spec((groups, 384, 256), bf16), sizes)),
+        (lambda a, a_s, b, b_s, s: mosaic_gemm.scaled_grouped_matmul(
+            a, b, s, a_scale=a_s, b_scale=b_s, out_dtype=f32, cfg=wide),
+         (spec((1024, 256), fp8), spec((1024, 2), f32), spec((groups, 512, 256), fp8),
+          spec((groups, 4, 2), f32), sizes)),
+    ]
+    for call, operands in calls:
+        jax.jit(call).trace(*operands).lower(lowering_platforms=("cuda",))
+    mosaic_common.visit_table(jnp.zeros((groups,), jnp.int32), 64)
+    with pytest.raises(ValueError, match="1023 groups: the grouped GEMM kernels take at most "
+                                         "1022"):
+        mosaic_common.visit_table(jnp.zeros((groups + 1,), jnp.int32), 64)
+
+
 def test_fp8_wgrad_cuts_long_groups_into_pieces(monkeypatch):
     """Split-K for the FP8 wgrad: a dense layer's tokens are cut where its output tiles
     leave SMs idle (and each piece keeps enough K steps); grouped wgrads cut only a group
@@ -454,7 +488,7 @@ def test_row_visits_cover_each_block_once_per_group_it_touches(request, walk):
     from pallas_kernels.mosaic_common import tile_owner, visit_table
 
     rng = _rng(request)
-    for sizes in (np.array([0, 1, 127, 128, 129, 300, 0]), np.full(8, 256),
+    for sizes in (np.array([300]), np.array([0, 1, 127, 128, 129, 300, 0]), np.full(8, 256),
                   rng.multinomial(2000, rng.dirichlet(np.full(16, 0.5))),
                   np.array([200, -50, 100]),
                   rng.multinomial(9000, rng.dirichlet(np.full(70, 0.5)))):  # 2 table rows a field
@@ -468,7 +502,7 @@ def test_row_visits_cover_each_block_once_per_group_it_touches(request, walk):
             else:
                 table = visit_table(jnp.asarray(sizes, jnp.int32), m)
                 group, block, lo, hi = jax.vmap(
-                    lambda t: tile_owner(t, table, groups, 128))(slots)
+                    lambda t: tile_owner(t, table, groups))(slots)
             group, block, lo, hi = (np.asarray(v) for v in (group, block, lo, hi))
             want = _row_visits(sizes, m, 128)
             runs = group <= groups
@@ -507,10 +541,10 @@ def test_mosaic_bf16_fprop_kernel_interpreted_on_cpu(stages, out_dtype):
     """The Mosaic GPU fprop kernel itself (persistent tile walk, visits of row tiles that
     straddle groups, the TMA ring, the store ladder) run by Mosaic GPU's interpreter on 3
     CTAs, against float64: groups of 0, 1, 127 and 129 rows, zeros past their sum. Its 4
-    K steps do not chain on the default 5-deep ring; a 4-deep one chains them, and the
-    interpreter fails a chain whose last releases the producer leaves unawaited
-    (`mosaic_common.drain_chain`). BF16 outputs take 256-column tiles, stored as four
-    64-column chunks through two epilogue slots. No partial last column tile: the
+    K steps do not chain on the default 5-deep ring of FP32 outputs; a 4-deep one chains
+    them, and the interpreter fails a chain whose last releases the producer leaves
+    unawaited (`mosaic_common.drain_chain`). BF16 outputs take 256-column tiles on a
+    4-deep ring (chained), stored as four 64-column chunks through two epilogue slots. No partial last column tile: the
     interpreter refuses the loads past the edge that TMA zero-fills (the GPU tests cover
     it)."""
     from pallas_kernels import mosaic_bf16_gemm
