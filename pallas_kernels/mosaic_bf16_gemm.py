@@ -30,10 +30,9 @@ from jax import lax
 
 from pallas_kernels.group_schedule import group_bounds
 from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state,
-                                           column_tile_widths, drain_chain,
+                                           column_tile_widths, for_each_row_visit,
                                            persistent_call, stage_chunk, store_rows,
-                                           tile_visit, tma_ready, visit_table,
-                                           wgrad_tile, with_visit_table)
+                                           tma_ready, visit_table, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -190,50 +189,44 @@ def _rows_kernel(table_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: boo
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
 
-        @functools.partial(with_visit_table, table_gmem)
-        def _walk(table):
-            @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm",
-                           init_carry=jnp.int32(0))
-            def _tiles(info, carry):
-                ni, group, row0, wg_row0, first, count = tile_visit(
-                    info, tiles_m, tiles_n, cfg.grid_tile_width, wg, table, groups,
-                    narrow_last=edge_n < tile_n)
+        @for_each_row_visit(table_gmem, wg, tiles_m=tiles_m, tiles_n=tiles_n,
+                            grid_tile_width=cfg.grid_tile_width, groups=groups,
+                            narrow_last=edge_n < tile_n,
+                            drain=(allocs, stages) if chained else None)
+        def _visit(ran_before, ni, group, row0, wg_row0, first, count):
+            def store(values):
+                width = out_smem.shape[-1]
+                _store_chunks(values, out_smem, wg, lambda slot, col: store_rows(
+                    slot, out_gmem.at[:, pl.ds(ni * tile_n + col, width)], wg_row0, first,
+                    count))
 
-                def store(values):
-                    width = out_smem.shape[-1]
-                    _store_chunks(values, out_smem, wg, lambda slot, col: store_rows(
-                        slot, out_gmem.at[:, pl.ds(ni * tile_n + col, width)], wg_row0, first,
-                        count))
+            def step(width):
+                def multiply(_, a_smem, b_smem, acc):
+                    if width < tile_n:  # fprop only: b_smem is (K step, tile_n)
+                        b_smem = b_smem.at[:, :width]
+                    b = b_smem if b_kn else plgpu.transpose_ref(b_smem, (1, 0))
+                    plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b)
+                    plgpu.wgmma_wait(in_flight)
+                    return acc
+                return multiply
 
-                def step(width):
-                    def multiply(_, a_smem, b_smem, acc):
-                        if width < tile_n:  # fprop only: b_smem is (K step, tile_n)
-                            b_smem = b_smem.at[:, :width]
-                        b = b_smem if b_kn else plgpu.transpose_ref(b_smem, (1, 0))
-                        plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b)
-                        plgpu.wgmma_wait(in_flight)
-                        return acc
-                    return multiply
+            runs = group < groups
+            state = chained_state(chained, ran_before)
+            for width, here in column_tile_widths(ni, tiles_n, tile_n, edge_n):
+                @pl.when(runs & here)
+                def _real(width=width):
+                    b_group = b_gmem.at[group]
+                    b_cols = (b_group.at[:, pl.ds(ni * tile_n, tile_n)] if b_kn
+                              else b_group.at[pl.ds(ni * tile_n, tile_n)])
+                    pipeline(step(width), _accumulating(width, store), state)(
+                        a_gmem.at[pl.ds(row0, CTA_M)], b_cols, allocations=allocs)
 
-                runs = group < groups
-                state = chained_state(chained, carry)
-                for width, here in column_tile_widths(ni, tiles_n, tile_n, edge_n):
-                    @pl.when(runs & here)
-                    def _real(width=width):
-                        b_group = b_gmem.at[group]
-                        b_cols = (b_group.at[:, pl.ds(ni * tile_n, tile_n)] if b_kn
-                                  else b_group.at[pl.ds(ni * tile_n, tile_n)])
-                        pipeline(step(width), _accumulating(width, store), state)(
-                            a_gmem.at[pl.ds(row0, CTA_M)], b_cols, allocations=allocs)
+            @pl.when((group == groups) & (wg < 2))
+            def _zeros():
+                store(jnp.zeros((WG_ROWS, tile_n), jnp.float32))
 
-                @pl.when((group == groups) & (wg < 2))
-                def _zeros():
-                    store(jnp.zeros((WG_ROWS, tile_n), jnp.float32))
+            return runs
 
-                return carry | runs.astype(jnp.int32)
-
-            if chained:
-                drain_chain(allocs, stages, _tiles)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 

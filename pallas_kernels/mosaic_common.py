@@ -211,6 +211,32 @@ def with_visit_table(table_gmem, body) -> None:
         body(table)
 
 
+def for_each_row_visit(table_gmem, wg, *, tiles_m: int, tiles_n: int,
+                       grid_tile_width: int, groups: int, narrow_last: bool, drain=None):
+    """Decorator: runs visit(ran_before, column tile, group, first row of the CTA tile,
+    first row of the warpgroup's slice, first and count of its rows) -> whether it ran
+    a pipeline, for each of this CTA's slots of a row kernel's persistent grid
+    (`tile_visit`), with the walk's table in shared memory (`with_visit_table`).
+    ``ran_before`` is nonzero once the CTA ran a pipeline (`chained_state`). ``drain``:
+    (allocations, ring depth) of a chained ring, awaited after the last slot
+    (`drain_chain`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def decorate(visit):
+        @functools.partial(with_visit_table, table_gmem)
+        def _walk(table):
+            @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm",
+                           init_carry=jnp.int32(0))
+            def _tiles(info, carry):
+                slot = tile_visit(info, tiles_m, tiles_n, grid_tile_width, wg, table, groups,
+                                  narrow_last=narrow_last)
+                return carry | visit(carry, *slot).astype(jnp.int32)
+
+            if drain is not None:
+                drain_chain(*drain, _tiles)
+    return decorate
+
+
 def tile_visit(info, tiles_m: int, tiles_n: int, grid_tile_width: int, wg, table,
                groups: int, narrow_last: bool = False):
     """The (row visit, column tile) of an `nd_loop` step over the persistent grid, as

@@ -36,10 +36,9 @@ from jax import lax
 
 from pallas_kernels import mosaic_common
 from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state,
-                                           column_tile_widths, drain_chain,
+                                           column_tile_widths, for_each_row_visit,
                                            persistent_call, stage_chunk, store_rows,
-                                           tile_visit, tma_ready, visit_table,
-                                           wgrad_tile, with_visit_table)
+                                           tma_ready, visit_table, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
 
@@ -269,59 +268,50 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
 
     @functools.partial(_with_staging, allocs, out_gmem.dtype)
     def _scope(allocs, out_smem, wg):
-        @functools.partial(with_visit_table, table_gmem)
-        def _walk(table):
-            @plgpu.nd_loop((tiles_m * tiles_n,), collective_axes="sm",
-                           init_carry=jnp.int32(0))
-            def _tiles(info, carry):
-                ni, group, row0, wg_row0, first, count = tile_visit(
-                    info, tiles_m, tiles_n, cfg.grid_tile_width, wg, table, groups,
-                    narrow_last=edge_n < tile_n)
+        @for_each_row_visit(table_gmem, wg, tiles_m=tiles_m, tiles_n=tiles_n,
+                            grid_tile_width=cfg.grid_tile_width, groups=groups,
+                            narrow_last=edge_n < tile_n,
+                            drain=(allocs, cfg.stages) if chained else None)
+        def _visit(ran_before, ni, group, row0, wg_row0, first, count):
+            def store(sums):
+                _store_halves(out_smem, wg, sums, ni * tile_n, n, lambda staged, cols:
+                              store_rows(staged, out_gmem.at[:, cols], wg_row0, first, count))
 
-                def store(sums):
-                    _store_halves(out_smem, wg, sums, ni * tile_n, n, lambda staged, cols:
-                                  store_rows(staged, out_gmem.at[:, cols], wg_row0, first,
-                                             count))
+            def compute_context(width):
+                def context(run):
+                    store(run(tuple(_wgmma_zeros(w) for w in part_widths(width))))
+                return context
 
-                def compute_context(width):
-                    def context(run):
-                        store(run(tuple(_wgmma_zeros(w) for w in part_widths(width))))
-                    return context
+            def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, sums):
+                sa = _row_scales(a_scale_smem, wg)
+                promoted = []
+                for half, total in enumerate(sums):
+                    b_part = b_smem.at[pl.ds(half * TILE_N, total.shape[1])]
+                    part = _block_product(a_smem, b_part, wg)
+                    sb = _load_vector(b_scale_smem.at[0, pl.ds(half * WG_ROWS, WG_ROWS)], 0)
+                    promoted.append(total + part * _broadcast(sa * sb, part.shape, 0))
+                return tuple(promoted)
 
-                def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, sums):
-                    sa = _row_scales(a_scale_smem, wg)
-                    promoted = []
-                    for half, total in enumerate(sums):
-                        b_part = b_smem.at[pl.ds(half * TILE_N, total.shape[1])]
-                        part = _block_product(a_smem, b_part, wg)
-                        sb = _load_vector(
-                            b_scale_smem.at[0, pl.ds(half * WG_ROWS, WG_ROWS)], 0)
-                        promoted.append(total + part * _broadcast(sa * sb, part.shape, 0))
-                    return tuple(promoted)
+            runs = group < groups
+            state = chained_state(chained, ran_before)
+            for width, here in column_tile_widths(ni, tiles_n, tile_n, edge_n):
+                @pl.when(runs & here)
+                def _real(width=width):
+                    b_group = b_gmem.at[group]
+                    pipeline(step, compute_context(width), state)(
+                        a_gmem.at[pl.ds(row0, CTA_M)],
+                        a_scale_gmem.at[:, pl.ds(row0, CTA_M)],
+                        b_group.at[pl.ds(ni * tile_n, tile_n)],
+                        b_scale_gmem.at[group, :, pl.ds(ni * halves * WG_ROWS,
+                                                        halves * WG_ROWS)],
+                        allocations=allocs,
+                    )
 
-                runs = group < groups
-                state = chained_state(chained, carry)
-                for width, here in column_tile_widths(ni, tiles_n, tile_n, edge_n):
-                    @pl.when(runs & here)
-                    def _real(width=width):
-                        b_group = b_gmem.at[group]
-                        pipeline(step, compute_context(width), state)(
-                            a_gmem.at[pl.ds(row0, CTA_M)],
-                            a_scale_gmem.at[:, pl.ds(row0, CTA_M)],
-                            b_group.at[pl.ds(ni * tile_n, tile_n)],
-                            b_scale_gmem.at[group, :, pl.ds(ni * halves * WG_ROWS,
-                                                            halves * WG_ROWS)],
-                            allocations=allocs,
-                        )
+            @pl.when((group == groups) & (wg < 2))
+            def _zeros():
+                store((_wgmma_zeros(),) * halves)
 
-                @pl.when((group == groups) & (wg < 2))
-                def _zeros():
-                    store((_wgmma_zeros(),) * halves)
-
-                return carry | runs.astype(jnp.int32)
-
-            if chained:
-                drain_chain(allocs, cfg.stages, _tiles)
+            return runs
 
 
 def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem, *,
