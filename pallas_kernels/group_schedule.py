@@ -34,14 +34,25 @@ def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
     return starts, ends
 
 
+def row_visits(group_sizes: jax.Array, m: int, block_m: int
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(starts, ends, visits) of the G groups and then of the zero rows past the last
+    (G + 1 entries each): first row, end row, and how many block_m-row tiles the rows
+    touch (a tile that straddles groups is visited once per group)."""
+    starts, ends = group_bounds(group_sizes, m)
+    starts = jnp.concatenate([starts, ends[-1:]])
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    first = starts // block_m
+    visits = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    return starts, ends, visits.astype(jnp.int32)
+
+
 def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> TileSchedule:
     g = group_sizes.shape[0]
-    starts, ends = group_bounds(group_sizes, m)
-    total = ends[-1]
-    starts = jnp.concatenate([starts, jnp.stack([total, jnp.int32(0)])])
-    ends = jnp.concatenate([ends, jnp.stack([jnp.int32(m), jnp.int32(0)])])
+    none = jnp.zeros((1,), jnp.int32)  # entry G + 1: slots past the last visit
+    starts, ends, count = (jnp.concatenate([x, none])
+                           for x in row_visits(group_sizes, m, block_m))
     first = starts // block_m
-    count = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
     cum = jnp.cumsum(count)
     t = jnp.arange(num_tiles(m, g, block_m), dtype=jnp.int32)
     gid = jnp.minimum(jnp.searchsorted(cum, t, side="right"), g + 1).astype(jnp.int32)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.group_schedule import group_bounds
+from pallas_kernels.group_schedule import row_visits
 from pallas_kernels.quantize import cdiv
 from pallas_kernels.triton_gemm import _pad_axis
 from pallas_kernels.varying import mark_varying, varying_union
@@ -152,13 +152,10 @@ def visit_table(group_sizes: jax.Array, m: int) -> jax.Array:
         raise ValueError(f"{groups} groups: the grouped GEMM kernels take at most "
                          f"{TABLE_MAX_BYTES // 8 - 2} (their walk's table must fit in shared "
                          "memory beside the ring)")
-    starts, ends = group_bounds(group_sizes.astype(jnp.int32), m)
-    total = ends[-1]
-    starts = jnp.concatenate([starts, jnp.stack([total, jnp.int32(m)])])
-    ends = jnp.concatenate([ends, jnp.full((2,), m, jnp.int32)])
-    first = lax.div(starts, jnp.int32(CTA_M))
-    count = jnp.where(ends > starts, lax.div(ends - 1, jnp.int32(CTA_M)) - first + 1, 0)
-    offsets = jnp.cumsum(count) - count
+    starts, _, visits = row_visits(group_sizes.astype(jnp.int32), m, CTA_M)
+    offsets = jnp.cumsum(visits)  # the sentinel's: every visit
+    offsets = jnp.concatenate([offsets - visits, offsets[-1:]])
+    starts = jnp.concatenate([starts, jnp.full((1,), m, jnp.int32)])
     fields = [jnp.pad(f.astype(jnp.int32), (0, width - groups - 2)) for f in (offsets, starts)]
     return jnp.concatenate(fields).reshape(-1, TABLE_COLUMNS)
 
@@ -181,16 +178,17 @@ def tile_owner(t, table, groups: int):
         flat = g + field * width
         return table[lax.div(flat, i32(TABLE_COLUMNS)), lax.rem(flat, i32(TABLE_COLUMNS))]
 
-    group = i32(0)
+    group = offset = i32(0)  # entry 0's first visit is 0
     step = 1 << (last.bit_length() - 1)
     while step:
         candidate = group + step
-        fits = candidate <= last
-        group = lax.select(fits & (entry(0, jnp.minimum(candidate, last)) <= t),
-                           candidate, group)
+        first_visit = entry(0, jnp.minimum(candidate, last))
+        hit = (candidate <= last) & (first_visit <= t)
+        group = lax.select(hit, candidate, group)
+        offset = lax.select(hit, first_visit, offset)
         step //= 2
     start, end = entry(1, group), entry(1, jnp.minimum(group + 1, last))
-    block = lax.div(start, i32(CTA_M)) + t - entry(0, group)
+    block = lax.div(start, i32(CTA_M)) + t - offset
     return group, block, start, end
 
 

@@ -544,9 +544,9 @@ def test_mosaic_bf16_fprop_kernel_interpreted_on_cpu(stages, out_dtype):
     K steps do not chain on the default 5-deep ring of FP32 outputs; a 4-deep one chains
     them, and the interpreter fails a chain whose last releases the producer leaves
     unawaited (`mosaic_common.drain_chain`). BF16 outputs take 256-column tiles on a
-    4-deep ring (chained), stored as four 64-column chunks through two epilogue slots. No partial last column tile: the
-    interpreter refuses the loads past the edge that TMA zero-fills (the GPU tests cover
-    it)."""
+    4-deep ring (chained), stored as four 64-column chunks through two epilogue slots.
+    No partial last column tile: the interpreter refuses the loads past the edge that TMA
+    zero-fills (the GPU tests cover it)."""
     from pallas_kernels import mosaic_bf16_gemm
 
     rng = np.random.default_rng(11)
