@@ -83,7 +83,8 @@ class MosaicConfig:
                              f"at most {WIDE_MAX_STAGES} stages fit shared memory with the "
                              "wide column tile")
 
-    def for_tiles(self, row_tiles: int, n: int, sms: int) -> MosaicConfig:
+    def for_tiles(self, row_tiles: int, n: int, sms: int, k_steps: int | None = None
+                  ) -> MosaicConfig:
         """This config with `tile_n` chosen, for `row_tiles` row visits of N columns on
         `sms` persistent CTAs: 256 unless its tiles take more waves of the SMs, counted in
         128-column tile times, than 128's (within `WAVE_SLACK`). On an H100 (session 21 in
@@ -91,11 +92,15 @@ class MosaicConfig:
         matched (two within 2% either way), 20% on a dgrad of N = 7168 and K = 2112, and
         20-34% on the small preset's expert GEMMs (64 groups, K or N 704). It lost 9-16%
         where it added a wave (8192 x 2112 x 7168: 10 against 9; 7168 x 2048 x 8192: 8
-        against 7)."""
+        against 7). Given the `k_steps` of a chaining kernel, not where its ring would be
+        cut below `MIN_CHAINED_STAGES` to chain (`for_steps`): a 4-step K ran 732 TFLOP/s
+        wide in a chained 2-deep ring and 803 at 128 columns in a 4-deep one (session 51)."""
         if self.tile_n is not None:
             return self
         waves = lambda width: cdiv(row_tiles * cdiv(n, width), sms) * (width // TILE_N)  # noqa: E731
         wide = waves(WIDE_TILE_N) <= WAVE_SLACK * waves(TILE_N)
+        if wide and k_steps is not None:
+            wide = self.with_tile_n(WIDE_TILE_N).for_steps(k_steps).stages >= MIN_CHAINED_STAGES
         return self.with_tile_n(WIDE_TILE_N if wide else TILE_N)
 
     def with_tile_n(self, tile_n: int | None) -> MosaicConfig:
@@ -116,14 +121,21 @@ class MosaicConfig:
         `k_steps` chain, where a shallower ring makes them chain: a 768-deep K (6 steps)
         runs a chained 3-deep ring, not an unchained 4-deep one. Unchained, the `small`
         preset's 6-step expert GEMMs took 0.35 ms where its chained 8-step ones of equal
-        work took 0.26 (session 16's H100 trace)."""
+        work took 0.26 (session 16's H100 trace). Loops of `SHORT_LOOP_STEPS` or more
+        are not cut below `MIN_CHAINED_STAGES` for it: on the H100 (session 51), 8 steps
+        on the wide tile ran 799 TFLOP/s chained in 2 stages and 848 unchained in 3 (64
+        groups, K 1024 -> N 704); 16 steps 1091 and 1115 (8 groups, K 2048 -> N 7168)."""
         if self.chains(k_steps):
             return self
-        deeper_first = (dataclasses.replace(self, stages=d) for d in range(self.stages, 1, -1))
+        shallowest = 2 if k_steps < SHORT_LOOP_STEPS else MIN_CHAINED_STAGES
+        deeper_first = (dataclasses.replace(self, stages=d)
+                        for d in range(self.stages, shallowest - 1, -1))
         return next((cfg for cfg in deeper_first if cfg.chains(k_steps)), self)
 
 
 CHAIN_MAX_STEPS = 32  # longer K loops measured ~5% slower chained
+MIN_CHAINED_STAGES = 3  # a shallower ring starves the WGMMAs (`for_steps`)
+SHORT_LOOP_STEPS = 8  # shorter K loops are mostly ring fill: chained at any depth
 WIDE_TILE_N = 2 * TILE_N
 WIDE_MAX_STAGES = 3  # 4 x 49 KB of ring and a 64 KB FP32 epilogue exceed 227 KB
 WAVE_SLACK = 1.05  # 64 wide waves against 63 narrow ones still ran 5% faster (H100)
@@ -357,12 +369,14 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
             piece, pi, qi = wgrad_tile(info, tiles_p, tiles_q, cfg.grid_tile_width)
             field = lambda f: pieces_gmem[f, piece]  # noqa: E731
             g, first_block, blocks = field(0), field(1), field(2)
-            # Whole turns of the ring, as in mosaic_bf16_gemm's wgrad (pipelines of other
-            # lengths in a row desynchronize the ring's barrier phases); the extra steps
+            # Whole turns of the ring, as in mosaic_bf16_gemm's wgrad; the extra steps
             # read the next piece's tokens or zero-filled blocks and are not accumulated.
             # Skipping their WGMMAs by `lax.cond` (as the BF16 wgrad skips its own) made
             # the call 2x slower on the H100 (session 49), and by `pl.when` around the
             # WGMMA in its scoped accumulator 2.7x (611 -> 230 TFLOP/s, session 50).
+            # Each piece's exact block count (session 51) ran 570 -> 661 TFLOP/s on 64
+            # Dirichlet groups over 65536 tokens (P 2048, Q 1408), but 2.2x slower on the
+            # `small` step's 393216 routed rows (0.81 -> 1.76 ms; cause not found).
             steps = lax.div(blocks + (cfg.stages - 1), jnp.int32(cfg.stages)) * cfg.stages
 
             def store(sums):
@@ -440,8 +454,9 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
     `mosaic_common.tma_ready`).
     """
     (m, k), (groups, n, _) = a.shape, b.shape
-    cfg = (cfg or DEFAULT_CONFIG).for_tiles(cdiv(m, CTA_M) + groups, n, mosaic_common.sm_count())
-    cfg = cfg.for_steps(cdiv(k, TILE))
+    k_steps = cdiv(k, TILE)
+    cfg = (cfg or DEFAULT_CONFIG).for_tiles(cdiv(m, CTA_M) + groups, n, mosaic_common.sm_count(),
+                                            k_steps).for_steps(k_steps)
     a = _pad_axis(_pad_axis(a, 1, FP8_HALF_SWIZZLE), 0, CTA_M)
     a_scale = _pad_axis(a_scale, 0, CTA_M)
     b = tma_ready(_pad_axis(b, 2, FP8_HALF_SWIZZLE), 1)

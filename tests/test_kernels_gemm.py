@@ -409,6 +409,11 @@ def test_mosaic_fp8_ring_depth_divides_short_k_loops():
     assert cfg.for_steps(6).chains(6) and not cfg.for_steps(5).chains(5)
     assert cfg.for_steps(66).stages == 4 and not cfg.for_steps(66).chains(66)
     assert not MosaicConfig(chain=False).for_steps(6).chains(6)
+    # A loop of 8 steps or more is not cut below 3 stages to chain: the wide tile's
+    # 3-deep ring runs 8 and 16 steps unchained; shorter loops chain at any depth.
+    wide = MosaicConfig().with_tile_n(256)
+    assert [(wide.for_steps(k).stages, wide.for_steps(k).chains(k)) for k in (8, 16, 6, 4)] == [
+        (3, False), (3, False), (3, True), (2, True)]
 
 
 def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
@@ -425,6 +430,9 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     assert pick(8192, 2112).tile_n == 128 and pick(8192, 2112).stages == 4  # 10 > 9 waves
     assert pick(7168, 2048).tile_n == 128  # 8 > 7
     assert MosaicConfig(tile_n=128).for_tiles(65, 7168, 132).tile_n == 128
+    # Given its K steps, not where the wide ring would chain only 2 deep (4 steps).
+    steps_pick = lambda k_steps: MosaicConfig().for_tiles(64, 7168, 132, k_steps).tile_n  # noqa: E731
+    assert [steps_pick(k) for k in (4, 6, 8, 16, 56)] == [128, 256, 256, 256, 256]
     # The wgrad: the same wave rule over its (group x row tile) visits, or (one group) its
     # pieces' visits; an explicit tile is kept.
     wgrad_pick = lambda g, p, q, blocks: mosaic_gemm.wgrad_plan(  # noqa: E731
