@@ -369,15 +369,6 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
             piece, pi, qi = wgrad_tile(info, tiles_p, tiles_q, cfg.grid_tile_width)
             field = lambda f: pieces_gmem[f, piece]  # noqa: E731
             g, first_block, blocks = field(0), field(1), field(2)
-            # Whole turns of the ring, as in mosaic_bf16_gemm's wgrad; the extra steps
-            # read the next piece's tokens or zero-filled blocks and are not accumulated.
-            # Skipping their WGMMAs by `lax.cond` (as the BF16 wgrad skips its own) made
-            # the call 2x slower on the H100 (session 49), and by `pl.when` around the
-            # WGMMA in its scoped accumulator 2.7x (611 -> 230 TFLOP/s, session 50).
-            # Each piece's exact block count (session 51) ran 570 -> 661 TFLOP/s on 64
-            # Dirichlet groups over 65536 tokens (P 2048, Q 1408), but 2.2x slower on the
-            # `small` step's 393216 routed rows (0.81 -> 1.76 ms; cause not found).
-            steps = lax.div(blocks + (cfg.stages - 1), jnp.int32(cfg.stages)) * cfg.stages
 
             def store(sums):
                 # Read where only the epilogue needs them, not held through the K loop.
@@ -414,6 +405,11 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
             def step(idx, x_smem, x_scale_smem, y_smem, y_scale_smem, sums):
                 (s,) = idx
                 sx = _row_scales(x_scale_smem, wg)
+                # Never false with exact step counts, but it keeps ptxas from spilling:
+                # without it (or with the scales' outer product formed first) the
+                # consumers spilled 316-408 bytes a thread and ran 2-2.5x slower on the
+                # H100 (session 52: 98304 routed rows 285 -> 595 us; 8 groups of P 4096,
+                # Q 7168 over 32768 tokens 2105 -> 5225 us).
                 keep = lax.broadcast_in_dim(s < blocks, (WG_ROWS, TILE_N), ())
                 promoted = []
                 for half, total in enumerate(sums):
@@ -427,9 +423,14 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
 
             used = g < groups  # the table's slots past the last piece do nothing
 
-            @pl.when(used & (steps > 0))
+            # A pipeline of the piece's exact block count (H100, session 52: 64 Dirichlet
+            # groups over 65536 tokens 565 -> 533 us, the `small` step's 98304 / 393216
+            # routed rows 297 -> 284 / 820 -> 794 us, against whole turns of the ring).
+            # Each slot's barriers still complete and are waited once per step (no
+            # delay_release), so pipelines of uneven lengths in a row keep their phases.
+            @pl.when(used & (blocks > 0))
             def _real():
-                pipeline(step, compute_context, steps, first_block)(
+                pipeline(step, compute_context, blocks, first_block)(
                     x_gmem.at[pl.ds(pi * CTA_M, CTA_M)],
                     x_scale_gmem.at[:, pl.ds(pi * CTA_M, CTA_M)],
                     y_gmem.at[pl.ds(qi * tile_q, tile_q)],
@@ -437,7 +438,7 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
                     allocations=allocs,
                 )
 
-            @pl.when(used & (steps == 0) & (wg < 2))
+            @pl.when(used & (blocks == 0) & (wg < 2))
             def _empty_group():
                 store((_wgmma_zeros(),) * halves)
 

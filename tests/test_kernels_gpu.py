@@ -155,8 +155,8 @@ def test_mosaic_fp8_wgrad_gpu(p, q, sizes, piece, tile_n):
 
 @pytest.mark.mosaic
 def test_mosaic_fp8_wgrad_nan_stays_in_its_group_gpu():
-    """A NaN in group 2's first token reaches only group 2's gradient, though group 1's
-    single tile is run as a whole ring turn whose extra steps read group 2's tiles."""
+    """A NaN in group 2's first token reaches only group 2's gradient: group 1's pieces end
+    on the block before it."""
     xq, yq, layout = _wgrad_operands(256, 128, SIZES, seed=3, nan_row=int(SIZES[:2].sum()))
     out = _mosaic_fp8_wgrad(xq, yq, layout)
     assert np.all(np.isnan(out[2, 5])) and np.all(np.isfinite(np.delete(out, 2, axis=0)))
