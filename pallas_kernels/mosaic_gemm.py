@@ -405,11 +405,12 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
             def step(idx, x_smem, x_scale_smem, y_smem, y_scale_smem, sums):
                 (s,) = idx
                 sx = _row_scales(x_scale_smem, wg)
-                # Never false with exact step counts, but it keeps ptxas from spilling:
-                # without it (or with the scales' outer product formed first) the
-                # consumers spilled 316-408 bytes a thread and ran 2-2.5x slower on the
-                # H100 (session 52: 98304 routed rows 285 -> 595 us; 8 groups of P 4096,
-                # Q 7168 over 32768 tokens 2105 -> 5225 us).
+                # Never false with exact step counts, and compiled away (the K step's
+                # SASS is one FMUL and one FFMA an element, no select), yet without it
+                # ptxas spilled 316-408 bytes a thread, 42 local stores and loads a step
+                # in the K loop, and ran 2-2.5x slower on the H100 (session 52: 98304
+                # routed rows 285 -> 595 us; 8 groups of P 4096, Q 7168 over 32768
+                # tokens 2105 -> 5225 us).
                 keep = lax.broadcast_in_dim(s < blocks, (WG_ROWS, TILE_N), ())
                 promoted = []
                 for half, total in enumerate(sums):
