@@ -100,16 +100,23 @@ def torch_worker(quick: bool, only: str | None, groups: int | None) -> dict[str,
         except Exception as e:  # an op missing or refusing a layout is a result too
             res[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
 
-    def fp8_1x128(x):  # (R, C) -> fp8, scale (R, C/128)
-        t = x.float().reshape(x.shape[0], -1, 128)
-        s = t.abs().amax(-1).clamp(min=1e-12) / 448.0
-        return (t / s[..., None]).to(torch.float8_e4m3fn).reshape(x.shape), s
+    def padded(x, rows: int, cols: int):  # zeros to whole tiles, for the amax only
+        return F.pad(x.float(), (0, -x.shape[1] % cols, 0, -x.shape[0] % rows))
 
-    def fp8_128x128(w):
+    def fp8_1x128(x):  # (R, C) -> fp8 (R, C), scale (R, ceil(C/128)): a partial last tile
+        t = padded(x, 1, 128)
+        t = t.reshape(t.shape[0], -1, 128)
+        s = t.abs().amax(-1).clamp(min=1e-12) / 448.0
+        q = (t / s[..., None]).to(torch.float8_e4m3fn).reshape(t.shape[0], -1)
+        return q[:, :x.shape[1]].contiguous(), s
+
+    def fp8_128x128(w):  # (N, K) -> fp8 (N, K), scale (ceil(N/128), ceil(K/128))
         n, k = w.shape
-        t = w.float().reshape(n // 128, 128, k // 128, 128)
+        t = padded(w, 128, 128)
+        t = t.reshape(t.shape[0] // 128, 128, t.shape[1] // 128, 128)
         s = t.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
-        return (t / s[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k), s
+        q = (t / s[:, None, :, None]).to(torch.float8_e4m3fn).reshape(t.shape[0] * 128, -1)
+        return q[:n, :k].contiguous(), s
 
     for name, m, n, k in [] if only in GROUPED_TABLES else dense_shapes(quick):
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -118,9 +125,7 @@ def torch_worker(quick: bool, only: str | None, groups: int | None) -> dict[str,
         try:
             from torch.nn.functional import ScalingType
             aq, as_ = fp8_1x128(a)
-            npad = -n % 128
-            wq, ws = fp8_128x128(torch.nn.functional.pad(w, (0, 0, 0, npad)))
-            wq = wq[:n]
+            wq, ws = fp8_128x128(w)
             timed(f"cublaslt_fp8_block/{name}/{m}x{n}x{k}", lambda: F.scaled_mm(
                 aq, wq.t(), as_.t().contiguous().t(), ScalingType.BlockWise1x128,
                 ws.t(), ScalingType.BlockWise128x128, output_dtype=torch.bfloat16))
