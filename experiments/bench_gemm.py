@@ -350,14 +350,22 @@ def jax_rows(quick: bool, torch_res: dict, cfgs: dict, only: str | None,
         dq, dqs = pk.quantize_1x128(jax.random.normal(next(key), (n, rows_), jnp.bfloat16))
         dw, dws = pk.quantize_128x128(jax.random.normal(next(key), (k, rows_), jnp.bfloat16))
         fns["dense_fp8_ours"] = bind(pk.fp8_gemm, dq, dqs, dw, dws)
+        # The same FLOPs as one group, scaled like the wgrad (1x128 along tokens on both
+        # operands, one more multiply an element than fp8_gemm's 128x128 weight blocks):
+        # what grouping alone costs.
+        (tq1, ts1), (tq2, ts2) = (pk.quantize_along_tokens(jax.random.normal(
+            next(key), (rows_, d), jnp.bfloat16)) for d in (n, k))
+        fns["dense_wgrad_ours"] = bind(lambda tq1, tq2, ts1, ts2: ops().grouped_matmul_tn(
+            tq1, tq2, jnp.array([rows_], jnp.int32), x_scale=ts1, y_scale=ts2,
+            token_major=False, tile_aligned=True), tq1, tq2, ts1, ts2)
         err = rel_err(fns["ours"], bind(
             lambda dytq, xtq, dyts, xts, al_sizes: reference.grouped_matmul_tn(
                 dytq, xtq, al_sizes, x_scale=dyts, y_scale=xts, token_major=False,
                 out_dtype=jnp.float32), dytq, xtq, dyts, xts, layout.sizes)) if g <= 8 else None
-        vs = {kk: tq(kk) for kk in ("dense_fp8_ours", "triton_ours")}
+        vs = {kk: tq(kk) for kk in ("dense_fp8_ours", "dense_wgrad_ours", "triton_ours")}
         io = layout.length * (k + n) + g * k * n * 2
         emit(rows, Row("fp8_grouped_gemm wgrad", gkey, flops, io, "fp8", tq("ours"), err, vs))
-        del x, dy, b, xq, dyq, wq, bq, xtq, dytq, uxq, udq, dq, dw
+        del x, dy, b, xq, dyq, wq, bq, xtq, dytq, uxq, udq, dq, dw, tq1, tq2
     return rows
 
 
