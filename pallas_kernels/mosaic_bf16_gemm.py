@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.group_schedule import group_bounds
-from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state,
-                                           column_tile_widths, for_each_row_visit,
-                                           persistent_call, stage_chunk, store_rows,
+from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, column_tile_widths,
+                                           for_each_row_visit, persistent_call,
+                                           stage_chunk, store_rows,
                                            tma_ready, visit_table, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
@@ -193,7 +193,7 @@ def _rows_kernel(table_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: boo
                             grid_tile_width=cfg.grid_tile_width, groups=groups,
                             narrow_last=edge_n < tile_n,
                             drain=(allocs, stages) if chained else None)
-        def _visit(ran_before, ni, group, row0, wg_row0, first, count):
+        def _visit(state, ni, group, row0, wg_row0, first, count):
             def store(values):
                 width = out_smem.shape[-1]
                 _store_chunks(values, out_smem, wg, lambda slot, col: store_rows(
@@ -211,7 +211,6 @@ def _rows_kernel(table_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: boo
                 return multiply
 
             runs = group < groups
-            state = chained_state(chained, ran_before)
             for width, here in column_tile_widths(ni, tiles_n, tile_n, edge_n):
                 @pl.when(runs & here)
                 def _real(width=width):
@@ -224,8 +223,6 @@ def _rows_kernel(table_gmem, a_gmem, b_gmem, out_gmem, *, groups: int, b_kn: boo
             @pl.when((group == groups) & (wg < 2))
             def _zeros():
                 store(jnp.zeros((WG_ROWS, tile_n), jnp.float32))
-
-            return runs
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

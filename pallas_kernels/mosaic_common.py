@@ -211,13 +211,13 @@ def with_visit_table(table_gmem, body) -> None:
 
 def for_each_row_visit(table_gmem, wg, *, tiles_m: int, tiles_n: int,
                        grid_tile_width: int, groups: int, narrow_last: bool, drain=None):
-    """Decorator: runs visit(ran_before, column tile, group, first row of the CTA tile,
-    first row of the warpgroup's slice, first and count of its rows) -> whether it ran
-    a pipeline, for each of this CTA's slots of a row kernel's persistent grid
-    (`tile_visit`), with the walk's table in shared memory (`with_visit_table`).
-    ``ran_before`` is nonzero once the CTA ran a pipeline (`chained_state`). ``drain``:
-    (allocations, ring depth) of a chained ring, awaited after the last slot
-    (`drain_chain`)."""
+    """Decorator: runs visit(pipeline state, column tile, group, first row of the CTA
+    tile, first row of the warpgroup's slice, first and count of its rows) for each of
+    this CTA's slots of a row kernel's persistent grid (`tile_visit`), with the walk's
+    table in shared memory (`with_visit_table`). A slot of a real group (group < groups)
+    runs a pipeline; the state is `chained_state`'s for it. ``drain``: (allocations,
+    ring depth) of a chained ring, awaited after the last slot (`drain_chain`); None:
+    pipelines are not chained."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     def decorate(visit):
@@ -228,7 +228,9 @@ def for_each_row_visit(table_gmem, wg, *, tiles_m: int, tiles_n: int,
             def _tiles(info, carry):
                 slot = tile_visit(info, tiles_m, tiles_n, grid_tile_width, wg, table, groups,
                                   narrow_last=narrow_last)
-                return carry | visit(carry, *slot).astype(jnp.int32)
+                visit(chained_state(drain is not None, carry), *slot)
+                _, group, *_ = slot
+                return carry | (group < groups).astype(jnp.int32)  # ran a pipeline
 
             if drain is not None:
                 drain_chain(*drain, _tiles)

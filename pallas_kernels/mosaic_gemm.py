@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import mosaic_common
-from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, chained_state,
-                                           column_tile_widths, for_each_row_visit,
-                                           persistent_call, stage_chunk, store_rows,
+from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, column_tile_widths,
+                                           for_each_row_visit, persistent_call,
+                                           stage_chunk, store_rows,
                                            tma_ready, visit_table, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
 from pallas_kernels.triton_gemm import _out_shape, _pad_axis
@@ -284,7 +284,7 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                             grid_tile_width=cfg.grid_tile_width, groups=groups,
                             narrow_last=edge_n < tile_n,
                             drain=(allocs, cfg.stages) if chained else None)
-        def _visit(ran_before, ni, group, row0, wg_row0, first, count):
+        def _visit(state, ni, group, row0, wg_row0, first, count):
             def store(sums):
                 _store_halves(out_smem, wg, sums, ni * tile_n, n, lambda staged, cols:
                               store_rows(staged, out_gmem.at[:, cols], wg_row0, first, count))
@@ -305,7 +305,6 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                 return tuple(promoted)
 
             runs = group < groups
-            state = chained_state(chained, ran_before)
             for width, here in column_tile_widths(ni, tiles_n, tile_n, edge_n):
                 @pl.when(runs & here)
                 def _real(width=width):
@@ -322,8 +321,6 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
             @pl.when((group == groups) & (wg < 2))
             def _zeros():
                 store((_wgmma_zeros(),) * halves)
-
-            return runs
 
 
 def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem, *,
