@@ -11,7 +11,8 @@ two consumer warpgroups and one TMA producer warpgroup (warp specialization):
 - each consumer issues a 64 x 128 x 128 FP8 WGMMA into a fresh FP32 accumulator,
   then scales it by a_scale[row] * b_scale[block] and adds it to a running FP32 sum
   held in registers. While one consumer promotes, the other one's WGMMA keeps the
-  tensor cores busy.
+  tensor cores busy. On a split tile (`MosaicConfig.split`) each consumer also takes its
+  product as two 64-column WGMMAs and promotes one while the other runs.
 
 Layouts follow DeepGEMM: a (M, K) and b (G, N, K), both K-major, which FP8 WGMMA
 requires. Scales are fed as a_scale^T (K/128, M) so one TMA copy brings a tile's row
@@ -67,26 +68,43 @@ class MosaicConfig:
     None picks per shape (`for_tiles`). Splitting N between the consumers instead (CTA
     64 x 256) and sharing a tiles across a 2-CTA cluster by TMA multicast both measured
     no faster. The wgrad kernel reads a wide tile the same way, each half with its own
-    column scales."""
+    column scales.
+
+    split: a 128-column tile's K step runs as two 64-column WGMMAs into two fresh
+    accumulators, the second issued before the first is promoted, so each consumer's
+    promotion overlaps its own next product instead of relying on the other consumer's.
+    Without promotion the wide tile ran 1535 TFLOP/s at 8192^3 against 1160 with it (H100,
+    session 53), so promotion is where the time goes; but the wide tile split (its 128
+    registers of sums beside two accumulators) spilled and ran 2.5-3x slower. On the H100 the
+    split 128-column tile ran every dense shape of `bench_gemm` with K on the 128 grid at
+    0.99-1.07x the unsplit default, and 0.83x with K = 2112 (64-byte swizzle rows); grouped
+    shapes went either way (0.95-1.02x). None: split where `for_tiles` picks it. Row
+    kernel only (the wgrad ignores it)."""
 
     stages: int = 4
     grid_tile_width: int = 8
     chain: bool | None = None
     tile_n: int | None = None
+    split: bool | None = None
 
     def __post_init__(self):
         if self.tile_n not in (None, TILE_N, WIDE_TILE_N):
             raise ValueError(f"MosaicConfig.tile_n={self.tile_n}: must be None (per shape), "
                              f"{TILE_N} or {WIDE_TILE_N}")
+        if self.split and self.tile_n == WIDE_TILE_N:
+            raise ValueError(f"MosaicConfig(tile_n={self.tile_n}, split=True): only a "
+                             f"{TILE_N}-column tile splits (the wide one spills registers)")
         if self.tile_n == WIDE_TILE_N and self.stages > WIDE_MAX_STAGES:
             raise ValueError(f"MosaicConfig(tile_n={self.tile_n}, stages={self.stages}): "
                              f"at most {WIDE_MAX_STAGES} stages fit shared memory with the "
                              "wide column tile")
 
-    def for_tiles(self, row_tiles: int, n: int, sms: int, k_steps: int | None = None
-                  ) -> MosaicConfig:
-        """This config with `tile_n` chosen, for `row_tiles` row visits of N columns on
-        `sms` persistent CTAs: 256 unless its tiles take more waves of the SMs, counted in
+    def for_tiles(self, row_tiles: int, n: int, sms: int, k_steps: int | None = None,
+                  splits: bool = False) -> MosaicConfig:
+        """This config with `tile_n` and `split` chosen, for `row_tiles` row visits of N
+        columns on `sms` persistent CTAs. Where the call `splits` (one group, K on the 128
+        grid: what measured faster split) and neither is set otherwise, the split
+        128-column tile. Else 256 unless its tiles take more waves of the SMs, counted in
         128-column tile times, than 128's (within `WAVE_SLACK`). On an H100 (session 21 in
         docs/performance.md) the wide tile ran 1-7% faster on most shapes where the waves
         matched (two within 2% either way), 20% on a dgrad of N = 7168 and K = 2112, and
@@ -95,6 +113,11 @@ class MosaicConfig:
         against 7). Given the `k_steps` of a chaining kernel, not where its ring would be
         cut below `MIN_CHAINED_STAGES` to chain (`for_steps`): a 4-step K ran 732 TFLOP/s
         wide in a chained 2-deep ring and 803 at 128 columns in a 4-deep one (session 51)."""
+        if self.split is None:
+            split = splits and self.tile_n in (None, TILE_N)
+            return dataclasses.replace(self, split=split).for_tiles(row_tiles, n, sms, k_steps)
+        if self.split and self.tile_n is None:
+            return self.with_tile_n(TILE_N)
         if self.tile_n is not None:
             return self
         waves = lambda width: cdiv(row_tiles * cdiv(n, width), sms) * (width // TILE_N)  # noqa: E731
@@ -133,6 +156,7 @@ class MosaicConfig:
         return next((cfg for cfg in deeper_first if cfg.chains(k_steps)), self)
 
 
+SPLIT_N = TILE_N // 2  # columns of each WGMMA on a split tile (`MosaicConfig.split`)
 CHAIN_MAX_STEPS = 32  # longer K loops measured ~5% slower chained
 MIN_CHAINED_STAGES = 3  # a shallower ring starves the WGMMAs (`for_steps`)
 SHORT_LOOP_STEPS = 8  # shorter K loops are mostly ring fill: chained at any depth
@@ -201,6 +225,32 @@ def _block_product(a_smem, b_smem, wg) -> jax.Array:
     return pl.run_scoped(product, plgpu.ACC((WG_ROWS, b_smem.shape[0]), jnp.float32))
 
 
+def _split_promote(a_smem, b_smem, wg, sums, scale: jax.Array) -> tuple[jax.Array, ...]:
+    """sums[j] + scale[row] * (this consumer's 64 rows of a) @ (b rows of part j)^T for each
+    64-column part j of a split tile's K step. Part j + 1's WGMMA is issued before part j
+    is promoted, in its own fresh accumulator, so that the tensor cores run one part while
+    this consumer's registers promote the other (`MosaicConfig.split`)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    a_rows = a_smem.at[_rows(wg)]
+
+    def promote(j, acc, in_flight: int):
+        done = plgpu.wgmma_accumulator_load(acc, wait_n=in_flight)
+        return sums[j] + done * _broadcast(scale, done.shape, 0)
+
+    def from_part(j, previous) -> list:
+        def scope(acc):
+            plgpu.wgmma(acc, a_rows,
+                        plgpu.transpose_ref(b_smem.at[pl.ds(j * SPLIT_N, SPLIT_N)], (1, 0)))
+            promoted = [] if previous is None else [promote(j - 1, previous, 1)]
+            rest = from_part(j + 1, acc) if j + 1 < len(sums) else [promote(j, acc, 0)]
+            return tuple(promoted + rest)
+        return list(pl.run_scoped(scope, plgpu.ACC((WG_ROWS, SPLIT_N), jnp.float32)))
+
+    return tuple(from_part(0, None))
+
+
 def _row_scales(a_scale_smem, wg) -> jax.Array:
     """The 64 row scales of a for this consumer's rows, in the accumulator's row layout."""
     return _load_vector(a_scale_smem.at[0, _rows(wg)], 0)
@@ -216,32 +266,37 @@ def _broadcast(vector: jax.Array, shape: tuple[int, int], axis: int) -> jax.Arra
     return lax.broadcast_in_dim(vector, shape, [axis])
 
 
-def _with_staging(allocs, out_dtype, body) -> None:
+def _with_staging(allocs, out_dtype, body, split: bool = False) -> None:
     """body(allocs, out_smem, wg) with the ring's shared memory and each consumer's
-    64 x 128 epilogue staging tile, then waits for the last stores to leave it."""
+    epilogue staging: one 64 x 128 slot, or on a split tile two 64 x 64 ones (a store of
+    a 64-column value into a column slice of a 128-wide slot came out wrong on the H100,
+    jax 0.11.2); then waits for the last stores to leave it."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     @functools.partial(pl.run_scoped, allocs=allocs,
-                       out_smem=plgpu.SMEM((2, 1, WG_ROWS, TILE_N), out_dtype),
+                       out_smem=plgpu.SMEM((2, *((2, WG_ROWS, SPLIT_N) if split else
+                                                  (1, WG_ROWS, TILE_N))), out_dtype),
                        collective_axes="wg")
     def _scope(allocs, out_smem):
         body(allocs, out_smem, lax.axis_index("wg"))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _store_halves(out_smem, wg, sums, first_col, limit: int, write) -> None:
-    """Stages each 128-column half of this consumer's tile and hands it to
-    ``write(staged, columns)``, skipping a half that starts at or past `limit` (a wide
-    tile's second half may lie wholly past the output's last column)."""
+def _store_parts(out_smem, wg, sums, first_col, limit: int, write) -> None:
+    """Stages each part of this consumer's tile (a staging slot's width of columns: a
+    128-column half, or a split tile's 64) and hands it to ``write(staged, columns)``,
+    skipping a part that starts at or past `limit` (a wide tile's second half may lie
+    wholly past the output's last column)."""
     from jax.experimental import pallas as pl
 
-    for half, values in enumerate(sums):
-        col0 = first_col + half * TILE_N
+    width = out_smem.shape[-1]
+    for part, values in enumerate(sums):
+        col0 = first_col + part * width
 
         @pl.when(col0 < limit)
         def _store():
-            write(stage_chunk(out_smem, wg, half, values), pl.ds(col0, TILE_N))
+            write(stage_chunk(out_smem, wg, part, values), pl.ds(col0, width))
 
 
 def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
@@ -262,7 +317,8 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
     # over the SMs where needed (`mosaic_common.tile_visit`). H100, K 1024 -> N 704 (s49):
     # one group 845 -> 879 TFLOP/s, 64 routed groups 648 -> 660.
     edge_n = n - (tiles_n - 1) * tile_n
-    part_widths = lambda width: tuple(min(TILE_N, width - c) for c in range(0, width, TILE_N))
+    part_n = SPLIT_N if cfg.split else TILE_N  # columns of each WGMMA and staged store
+    part_widths = lambda width: tuple(min(part_n, width - c) for c in range(0, width, part_n))
 
     chained = cfg.chains(k_steps)
 
@@ -278,7 +334,7 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
     allocs = pipeline(ignore, ignore).get_allocations(
         a_gmem, a_scale_gmem, b_gmem.at[0], b_scale_gmem.at[0])
 
-    @functools.partial(_with_staging, allocs, out_gmem.dtype)
+    @functools.partial(_with_staging, allocs, out_gmem.dtype, split=bool(cfg.split))
     def _scope(allocs, out_smem, wg):
         @for_each_row_visit(table_gmem, wg, tiles_m=tiles_m, tiles_n=tiles_n,
                             grid_tile_width=cfg.grid_tile_width, groups=groups,
@@ -286,7 +342,7 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                             drain=(allocs, cfg.stages) if chained else None)
         def _visit(state, ni, group, row0, wg_row0, first, count):
             def store(sums):
-                _store_halves(out_smem, wg, sums, ni * tile_n, n, lambda staged, cols:
+                _store_parts(out_smem, wg, sums, ni * tile_n, n, lambda staged, cols:
                               store_rows(staged, out_gmem.at[:, cols], wg_row0, first, count))
 
             def compute_context(width):
@@ -296,6 +352,9 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
 
             def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, sums):
                 sa = _row_scales(a_scale_smem, wg)
+                if cfg.split:
+                    sb = _load_vector(b_scale_smem.at[0, pl.ds(0, WG_ROWS)], 0)
+                    return _split_promote(a_smem, b_smem, wg, sums, sa * sb)
                 promoted = []
                 for half, total in enumerate(sums):
                     b_part = b_smem.at[pl.ds(half * TILE_N, total.shape[1])]
@@ -320,7 +379,7 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
 
             @pl.when((group == groups) & (wg < 2))
             def _zeros():
-                store((_wgmma_zeros(),) * halves)
+                store(tuple(_wgmma_zeros(w) for w in part_widths(tile_n)))
 
 
 def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem, *,
@@ -377,7 +436,7 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
                                             reduction_op=reduction_op)
 
                 if not chained:
-                    _store_halves(out_smem, wg, sums, qi * tile_q, q, write)
+                    _store_parts(out_smem, wg, sums, qi * tile_q, q, write)
                     return
                 sem = landed.at[((g * tiles_p + pi) * tiles_q + qi) * 2 + wg]
                 for decrement in (False, True):  # the last piece resets the count
@@ -389,7 +448,7 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
                     pl.when(rank == 0)(lambda: write(staged, cols))
                     pl.when(rank > 0)(lambda: write(staged, cols, reduction_op="add"))
 
-                _store_halves(out_smem, wg, sums, qi * tile_q, q, write_or_add)
+                _store_parts(out_smem, wg, sums, qi * tile_q, q, write_or_add)
 
                 @pl.when(last == 0)
                 def _signal():
@@ -454,8 +513,9 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
     """
     (m, k), (groups, n, _) = a.shape, b.shape
     k_steps = cdiv(k, TILE)
-    cfg = (cfg or DEFAULT_CONFIG).for_tiles(cdiv(m, CTA_M) + groups, n, mosaic_common.sm_count(),
-                                            k_steps).for_steps(k_steps)
+    cfg = (cfg or DEFAULT_CONFIG).for_tiles(
+        cdiv(m, CTA_M) + groups, n, mosaic_common.sm_count(), k_steps,
+        splits=groups == 1 and k % TILE == 0).for_steps(k_steps)
     a = _pad_axis(_pad_axis(a, 1, FP8_HALF_SWIZZLE), 0, CTA_M)
     a_scale = _pad_axis(a_scale, 0, CTA_M)
     b = tma_ready(_pad_axis(b, 2, FP8_HALF_SWIZZLE), 1)

@@ -442,6 +442,16 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     assert wgrad_pick(1, 1024, 4096, 128) == 256 and wgrad_pick(1, 1024, 1408, 128) == 128
     assert mosaic_gemm.wgrad_plan(MosaicConfig(tile_n=128), 64, 1024, 704, 768,
                                   132)[0].tile_n == 128  # an explicit tile is kept
+    # One group with K on the 128 grid takes the split 128-column tile unless the config
+    # sets the tile or the split; an explicit split takes the 128-column tile.
+    split = MosaicConfig().for_tiles(65, 7168, 132, 56, splits=True)
+    assert (split.tile_n, split.split, split.stages) == (128, True, 4)
+    assert MosaicConfig(tile_n=256, stages=3).for_tiles(65, 7168, 132, splits=True).split is False
+    assert MosaicConfig(split=False).for_tiles(65, 7168, 132, splits=True).tile_n == 256
+    assert MosaicConfig(split=True).for_tiles(65, 7168, 132).tile_n == 128
+    assert pick(8192, 7168).split is False
+    with pytest.raises(ValueError, match="split=True"):
+        MosaicConfig(tile_n=256, stages=3, split=True)
     with pytest.raises(ValueError, match="tile_n=192"):
         MosaicConfig(tile_n=192)
     with pytest.raises(ValueError, match="at most 3 stages"):
@@ -454,6 +464,12 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     assert "fp8_grouped_gemm" in call.trace(a8, a_scale, b8, b_scale).lower(
         lowering_platforms=("cuda",)).as_text()
     x, xs = jax.ShapeDtypeStruct((320, 1024), a8.dtype), jax.ShapeDtypeStruct((320, 8), a_scale.dtype)
+    for cfg in (None, MosaicConfig(split=True)):  # one group: split by default; groups split
+        for sizes in (jnp.array([512], jnp.int32), jnp.array([300, 0, 200, 12], jnp.int32)):
+            split_call = jax.jit(lambda a, s_, b, bs, sizes=sizes, cfg=cfg: scaled_grouped_matmul(
+                a, b[:len(sizes)], sizes, a_scale=s_, b_scale=bs[:len(sizes)], cfg=cfg))
+            assert "fp8_grouped_gemm" in split_call.trace(a8, a_scale, b8, b_scale).lower(
+                lowering_platforms=("cuda",)).as_text()
     wgrad = jax.jit(lambda x, xs: mosaic_gemm.scaled_grouped_matmul_tn(
         x, x, jnp.array([512, 0, 512], jnp.int32), x_scale=xs, y_scale=xs,
         cfg=MosaicConfig(tile_n=256, stages=3)))

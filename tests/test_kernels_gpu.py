@@ -46,7 +46,7 @@ def test_fp8_gemm_gpu(m, n, k):
 
 
 @pytest.mark.mosaic
-@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("tile_n,split", [(128, False), (128, True), (256, False)])
 @pytest.mark.parametrize("m,n,k,sizes", [
     (1300, 2112, 1024, SIZES),  # uneven groups incl. 0/1/127/129 rows, 43 zero rows, N % 128
     # (N = 2112 with 256-wide tiles: the last tile's second half lies past N)
@@ -55,13 +55,13 @@ def test_fp8_gemm_gpu(m, n, k):
     (1300, 704, 704, SIZES),  # the small preset's expert width: partial K step and N tile,
     # 6 K steps: a chained 3-deep ring (MosaicConfig.for_steps)
 ])
-def test_mosaic_fp8_grouped_gemm_gpu(m, n, k, sizes, tile_n):
+def test_mosaic_fp8_grouped_gemm_gpu(m, n, k, sizes, tile_n, split):
     from pallas_kernels import mosaic_gemm
 
-    ka, kb = jax.random.split(jax.random.key(m + n + k + tile_n))
+    ka, kb = jax.random.split(jax.random.key(m + n + k + tile_n + split))
     aq, as_ = pk.quantize_1x128(jax.random.normal(ka, (m, k), jnp.bfloat16))
     bq, bs = jax.vmap(pk.quantize_128x128)(jax.random.normal(kb, (len(sizes), n, k), jnp.bfloat16))
-    cfg = mosaic_gemm.MosaicConfig().with_tile_n(tile_n)
+    cfg = mosaic_gemm.MosaicConfig(split=split).with_tile_n(tile_n)
     out = np.asarray(jax.jit(lambda *ops: mosaic_gemm.scaled_grouped_matmul(
         *ops, jnp.asarray(sizes), a_scale=as_, b_scale=bs, out_dtype=jnp.float32, cfg=cfg))(
             aq, bq))
