@@ -118,6 +118,13 @@ def torch_worker(quick: bool, only: str | None, groups: int | None) -> dict[str,
         q = (t / s[:, None, :, None]).to(torch.float8_e4m3fn).reshape(t.shape[0] * 128, -1)
         return q[:n, :k].contiguous(), s
 
+    def k_blocks_to_4(s):
+        """b's (N/128, K blocks) scales with the K blocks zero-padded to a multiple of 4,
+        the layout torch's scaled_mm checks for (L4 = round_up(K/128, 4) in 2.13's meta
+        registration); torch 2.11 refused K = 2112's 17 blocks (docs/performance.md, s53).
+        Unchecked on a GPU."""
+        return F.pad(s, (0, -s.shape[1] % 4))
+
     for name, m, n, k in [] if only in GROUPED_TABLES else dense_shapes(quick):
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
@@ -128,7 +135,8 @@ def torch_worker(quick: bool, only: str | None, groups: int | None) -> dict[str,
             wq, ws = fp8_128x128(w)
             timed(f"cublaslt_fp8_block/{name}/{m}x{n}x{k}", lambda: F.scaled_mm(
                 aq, wq.t(), as_.t().contiguous().t(), ScalingType.BlockWise1x128,
-                ws.t(), ScalingType.BlockWise128x128, output_dtype=torch.bfloat16))
+                k_blocks_to_4(ws).t(), ScalingType.BlockWise128x128,
+                output_dtype=torch.bfloat16))
         except Exception as e:
             res[f"cublaslt_fp8_block/{name}/{m}x{n}x{k}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
         del a, w
