@@ -102,17 +102,18 @@ class MosaicConfig:
     def for_tiles(self, row_tiles: int, n: int, sms: int, k_steps: int | None = None,
                   splits: bool = False) -> MosaicConfig:
         """This config with `tile_n` and `split` chosen, for `row_tiles` row visits of N
-        columns on `sms` persistent CTAs. Where the call `splits` (one group, K on the 128
-        grid: what measured faster split) and neither is set otherwise, the split
-        128-column tile. Else 256 unless its tiles take more waves of the SMs, counted in
-        128-column tile times, than 128's (within `WAVE_SLACK`). On an H100 (session 21 in
-        docs/performance.md) the wide tile ran 1-7% faster on most shapes where the waves
-        matched (two within 2% either way), 20% on a dgrad of N = 7168 and K = 2112, and
-        20-34% on the small preset's expert GEMMs (64 groups, K or N 704). It lost 9-16%
-        where it added a wave (8192 x 2112 x 7168: 10 against 9; 7168 x 2048 x 8192: 8
-        against 7). Given the `k_steps` of a chaining kernel, not where its ring would be
-        cut below `MIN_CHAINED_STAGES` to chain (`for_steps`): a 4-step K ran 732 TFLOP/s
-        wide in a chained 2-deep ring and 803 at 128 columns in a 4-deep one (session 51)."""
+        columns on `sms` persistent CTAs. An unset `split` is taken where the call `splits`
+        (one group, K on the 128 grid: what measured faster split) and `tile_n` is unset or
+        128; the tile is then 128. Else 256 unless its tiles take more waves of the SMs,
+        counted in 128-column tile times, than 128's (within `WAVE_SLACK`). On an H100
+        (session 21 in docs/performance.md) the wide tile ran 1-7% faster on most shapes
+        where the waves matched (two within 2% either way), 20% on a dgrad of N = 7168
+        and K = 2112, and 20-34% on the small preset's expert GEMMs (64 groups, K or N
+        704). It lost 9-16% where it added a wave (8192 x 2112 x 7168: 10 against 9;
+        7168 x 2048 x 8192: 8 against 7). Given the `k_steps` of a chaining kernel, not where its ring
+        would be cut below `MIN_CHAINED_STAGES` to chain (`for_steps`): a 4-step K ran 732
+        TFLOP/s wide in a chained 2-deep ring and 803 at 128 columns in a 4-deep one
+        (session 51)."""
         if self.split is None:
             split = splits and self.tile_n in (None, TILE_N)
             return dataclasses.replace(self, split=split).for_tiles(row_tiles, n, sms, k_steps)
