@@ -267,17 +267,17 @@ def _broadcast(vector: jax.Array, shape: tuple[int, int], axis: int) -> jax.Arra
     return lax.broadcast_in_dim(vector, shape, [axis])
 
 
-def _with_staging(allocs, out_dtype, body, split: bool = False) -> None:
+def _with_staging(allocs, out_dtype, body, slot_n: int = TILE_N) -> None:
     """body(allocs, out_smem, wg) with the ring's shared memory and each consumer's
-    epilogue staging: one 64 x 128 slot, or on a split tile two 64 x 64 ones (a store of
-    a 64-column value into a column slice of a 128-wide slot came out wrong on the H100,
-    jax 0.11.2); then waits for the last stores to leave it."""
+    epilogue staging, 128 columns as slots of `slot_n`: one 64 x 128 slot, or on a split
+    tile two 64 x 64 ones (a store of a 64-column value into a column slice of a 128-wide
+    slot came out wrong on the H100, jax 0.11.2); then waits for the last stores to leave
+    it."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     @functools.partial(pl.run_scoped, allocs=allocs,
-                       out_smem=plgpu.SMEM((2, *((2, WG_ROWS, SPLIT_N) if split else
-                                                  (1, WG_ROWS, TILE_N))), out_dtype),
+                       out_smem=plgpu.SMEM((2, TILE_N // slot_n, WG_ROWS, slot_n), out_dtype),
                        collective_axes="wg")
     def _scope(allocs, out_smem):
         body(allocs, out_smem, lax.axis_index("wg"))
@@ -335,7 +335,7 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
     allocs = pipeline(ignore, ignore).get_allocations(
         a_gmem, a_scale_gmem, b_gmem.at[0], b_scale_gmem.at[0])
 
-    @functools.partial(_with_staging, allocs, out_gmem.dtype, split=bool(cfg.split))
+    @functools.partial(_with_staging, allocs, out_gmem.dtype, slot_n=part_n)
     def _scope(allocs, out_smem, wg):
         @for_each_row_visit(table_gmem, wg, tiles_m=tiles_m, tiles_n=tiles_n,
                             grid_tile_width=cfg.grid_tile_width, groups=groups,
@@ -353,15 +353,15 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
 
             def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, sums):
                 sa = _row_scales(a_scale_smem, wg)
+                scale = lambda half: sa * _load_vector(  # noqa: E731
+                    b_scale_smem.at[0, pl.ds(half * WG_ROWS, WG_ROWS)], 0)
                 if cfg.split:
-                    sb = _load_vector(b_scale_smem.at[0, pl.ds(0, WG_ROWS)], 0)
-                    return _split_promote(a_smem, b_smem, wg, sums, sa * sb)
+                    return _split_promote(a_smem, b_smem, wg, sums, scale(0))
                 promoted = []
                 for half, total in enumerate(sums):
                     b_part = b_smem.at[pl.ds(half * TILE_N, total.shape[1])]
                     part = _block_product(a_smem, b_part, wg)
-                    sb = _load_vector(b_scale_smem.at[0, pl.ds(half * WG_ROWS, WG_ROWS)], 0)
-                    promoted.append(total + part * _broadcast(sa * sb, part.shape, 0))
+                    promoted.append(total + part * _broadcast(scale(half), part.shape, 0))
                 return tuple(promoted)
 
             runs = group < groups
