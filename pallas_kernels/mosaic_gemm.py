@@ -12,7 +12,7 @@ two consumer warpgroups and one TMA producer warpgroup (warp specialization):
   then scales it by a_scale[row] * b_scale[block] and adds it to a running FP32 sum
   held in registers. While one consumer promotes, the other one's WGMMA keeps the
   tensor cores busy. On a split tile (`MosaicConfig.split`) each consumer also takes its
-  product as two 64-column WGMMAs and promotes one while the other runs.
+  product as 64-column WGMMAs and promotes one while the next one runs.
 
 Layouts follow DeepGEMM: a (M, K) and b (G, N, K), both K-major, which FP8 WGMMA
 requires. Scales are fed as a_scale^T (K/128, M) so one TMA copy brings a tile's row
@@ -37,7 +37,7 @@ from jax import lax
 
 from pallas_kernels import mosaic_common
 from pallas_kernels.mosaic_common import (CTA_M, WG_ROWS, column_tile_widths,
-                                           for_each_row_visit, persistent_call,
+                                           for_each_row_visit, jax_version, persistent_call,
                                            stage_chunk, store_rows,
                                            tma_ready, visit_table, wgrad_tile)
 from pallas_kernels.quantize import TILE, cdiv
@@ -50,6 +50,24 @@ FP8_SWIZZLE = 128  # bytes: one 128-wide FP8 K step is one 128-byte swizzle row
 # missing half, where a 128-byte row needed an XLA pad of every such operand to 768
 # (6 ms of the small FP8 step in session 16's H100 trace).
 FP8_HALF_SWIZZLE = FP8_SWIZZLE // 2
+
+
+SPLIT_MIN_JAX = (0, 11)  # the first whose Mosaic GPU lowers jnp.concatenate (`_join_parts`)
+
+
+def parts_join() -> bool:
+    """Whether this jax lowers `_join_parts`, which a split tile's store needs."""
+    return jax_version() >= SPLIT_MIN_JAX
+
+
+def split_widths(groups: int, k: int) -> tuple[int, ...]:
+    """The column tile widths that split (`MosaicConfig.split`) for `groups` groups of a
+    K-deep product. None with K off the 128 grid (64-byte swizzle rows: the split 128 tile
+    ran 0.83x, H100, session 53); the wide tile always else; the 128-column tile for one
+    group only: grouped, it ran 0.91-1.04x split (8 and 64 groups, H100, session 54)."""
+    if k % TILE:
+        return ()
+    return (WIDE_TILE_N, TILE_N) if groups == 1 else (WIDE_TILE_N,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +88,18 @@ class MosaicConfig:
     no faster. The wgrad kernel reads a wide tile the same way, each half with its own
     column scales.
 
-    split: a 128-column tile's K step runs as two 64-column WGMMAs into two fresh
-    accumulators, the second issued before the first is promoted, so each consumer's
-    promotion overlaps its own next product instead of relying on the other consumer's.
-    Without promotion the wide tile ran 1535 TFLOP/s at 8192^3 against 1160 with it (H100,
-    session 53), so promotion is where the time goes; but the wide tile split (its 128
-    registers of sums beside two accumulators) spilled and ran 2.5-3x slower. On the H100 the
-    split 128-column tile ran every dense shape of `bench_gemm` with K on the 128 grid at
-    0.99-1.07x the unsplit default, and 0.83x with K = 2112 (64-byte swizzle rows); grouped
-    shapes went either way (0.95-1.02x). None: split where `for_tiles` picks it. Row
-    kernel only (the wgrad ignores it)."""
+    split: each K step runs as 64-column WGMMAs, each into a fresh accumulator and issued
+    before the previous one is promoted, so each consumer's promotion overlaps its own
+    next product instead of relying on the other consumer's. Without promotion the wide
+    tile ran 1535 TFLOP/s at 8192^3 against 1160 with it (H100, session 53), so promotion
+    is where the time goes. The parts are joined in registers for the epilogue's store
+    (`_join_parts`), which needs jax >= 0.11 (`parts_join`). On the H100 (session 54),
+    against session 53's default (split 128-column tiles for one group only), the dense
+    `bench_gemm` shapes with K on the 128 grid ran 1.03-1.06x where the wave rule picks
+    the wide tile (13 of 15) and 1.00-1.02x on the other two; four grouped shapes ran
+    1.01-1.08x the unsplit wide tile. With K off the 128 grid (64-byte swizzle rows) the
+    split 128 tile ran 0.83x (session 53). None: split where `for_tiles` picks it. Row
+    kernel only: the wgrad's 128-column tile ran 0.98-0.99x split (session 54)."""
 
     stages: int = 4
     grid_tile_width: int = 8
@@ -91,41 +111,41 @@ class MosaicConfig:
         if self.tile_n not in (None, TILE_N, WIDE_TILE_N):
             raise ValueError(f"MosaicConfig.tile_n={self.tile_n}: must be None (per shape), "
                              f"{TILE_N} or {WIDE_TILE_N}")
-        if self.split and self.tile_n == WIDE_TILE_N:
-            raise ValueError(f"MosaicConfig(tile_n={self.tile_n}, split=True): only a "
-                             f"{TILE_N}-column tile splits (the wide one spills registers)")
+        if self.split and not parts_join():
+            raise ValueError(f"MosaicConfig(split=True) needs jax >= 0.11, whose Mosaic GPU "
+                             f"joins a split tile's parts in registers; this is jax "
+                             f"{jax.__version__}")
         if self.tile_n == WIDE_TILE_N and self.stages > WIDE_MAX_STAGES:
             raise ValueError(f"MosaicConfig(tile_n={self.tile_n}, stages={self.stages}): "
                              f"at most {WIDE_MAX_STAGES} stages fit shared memory with the "
                              "wide column tile")
 
     def for_tiles(self, row_tiles: int, n: int, sms: int, k_steps: int | None = None,
-                  splits: bool = False) -> MosaicConfig:
+                  splits: tuple[int, ...] = ()) -> MosaicConfig:
         """This config with `tile_n` and `split` chosen, for `row_tiles` row visits of N
-        columns on `sms` persistent CTAs. An unset `split` is taken where the call `splits`
-        (one group, K on the 128 grid: what measured faster split) and `tile_n` is unset or
-        128; the tile is then 128. Else 256 unless its tiles take more waves of the SMs,
-        counted in 128-column tile times, than 128's (within `WAVE_SLACK`). On an H100
-        (session 21 in docs/performance.md) the wide tile ran 1-7% faster on most shapes
-        where the waves matched (two within 2% either way), 20% on a dgrad of N = 7168
-        and K = 2112, and 20-34% on the small preset's expert GEMMs (64 groups, K or N
-        704). It lost 9-16% where it added a wave (8192 x 2112 x 7168: 10 against 9;
-        7168 x 2048 x 8192: 8 against 7). Given the `k_steps` of a chaining kernel, not where its ring
-        would be cut below `MIN_CHAINED_STAGES` to chain (`for_steps`): a 4-step K ran 732
-        TFLOP/s wide in a chained 2-deep ring and 803 at 128 columns in a 4-deep one
-        (session 51)."""
-        if self.split is None:
-            split = splits and self.tile_n in (None, TILE_N)
-            return dataclasses.replace(self, split=split).for_tiles(row_tiles, n, sms, k_steps)
-        if self.split and self.tile_n is None:
-            return self.with_tile_n(TILE_N)
-        if self.tile_n is not None:
+        columns on `sms` persistent CTAs. An unset `split` is taken where the tile's width
+        is one of those the call `splits` (`split_widths`) and `parts_join`. An unset
+        `tile_n` is 256 unless its tiles take more waves of the SMs, counted in 128-column
+        tile times, than 128's (within `WAVE_SLACK`). On an H100 (session 21 in
+        docs/performance.md) the wide tile ran
+        1-7% faster on most shapes where the waves matched (two within 2% either way), 20%
+        on a dgrad of N = 7168 and K = 2112, and 20-34% on the small preset's expert GEMMs
+        (64 groups, K or N 704). It lost 9-16% where it added a wave (8192 x 2112 x 7168:
+        10 against 9; 7168 x 2048 x 8192: 8 against 7); split, 0.93x on the latter
+        (session 54). Given the `k_steps` of a chaining kernel, not where its ring would be
+        cut below `MIN_CHAINED_STAGES` to chain (`for_steps`): a 4-step K ran 732 TFLOP/s
+        wide in a chained 2-deep ring and 803 at 128 columns in a 4-deep one (session
+        51)."""
+        if self.tile_n is not None and self.split is not None:
             return self
+        if self.tile_n is not None:
+            return dataclasses.replace(self, split=self.tile_n in splits and parts_join())
         waves = lambda width: cdiv(row_tiles * cdiv(n, width), sms) * (width // TILE_N)  # noqa: E731
         wide = waves(WIDE_TILE_N) <= WAVE_SLACK * waves(TILE_N)
         if wide and k_steps is not None:
             wide = self.with_tile_n(WIDE_TILE_N).for_steps(k_steps).stages >= MIN_CHAINED_STAGES
-        return self.with_tile_n(WIDE_TILE_N if wide else TILE_N)
+        return self.with_tile_n(WIDE_TILE_N if wide else TILE_N).for_tiles(
+            row_tiles, n, sms, k_steps, splits)
 
     def with_tile_n(self, tile_n: int | None) -> MosaicConfig:
         """This config with `tile_n` columns (None: per shape), its ring cut to what fits
@@ -226,11 +246,11 @@ def _block_product(a_smem, b_smem, wg) -> jax.Array:
     return pl.run_scoped(product, plgpu.ACC((WG_ROWS, b_smem.shape[0]), jnp.float32))
 
 
-def _split_promote(a_smem, b_smem, wg, sums, scale: jax.Array) -> tuple[jax.Array, ...]:
-    """sums[j] + scale[row] * (this consumer's 64 rows of a) @ (b rows of part j)^T for each
-    64-column part j of a split tile's K step. Part j + 1's WGMMA is issued before part j
-    is promoted, in its own fresh accumulator, so that the tensor cores run one part while
-    this consumer's registers promote the other (`MosaicConfig.split`)."""
+def _split_promote(a_smem, b_smem, wg, sums, scale) -> tuple[jax.Array, ...]:
+    """sums[j] + scale(j)[row] * (this consumer's 64 rows of a) @ (b rows of part j)^T for
+    each 64-column part j of a split tile's K step. Part j + 1's WGMMA is issued before
+    part j is promoted, in its own fresh accumulator, so that the tensor cores run one
+    part while this consumer's registers promote the other (`MosaicConfig.split`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -238,7 +258,7 @@ def _split_promote(a_smem, b_smem, wg, sums, scale: jax.Array) -> tuple[jax.Arra
 
     def promote(j, acc, in_flight: int):
         done = plgpu.wgmma_accumulator_load(acc, wait_n=in_flight)
-        return sums[j] + done * _broadcast(scale, done.shape, 0)
+        return sums[j] + done * _broadcast(scale(j), done.shape, 0)
 
     def from_part(j, previous) -> list:
         def scope(acc):
@@ -250,6 +270,16 @@ def _split_promote(a_smem, b_smem, wg, sums, scale: jax.Array) -> tuple[jax.Arra
         return list(pl.run_scoped(scope, plgpu.ACC((WG_ROWS, SPLIT_N), jnp.float32)))
 
     return tuple(from_part(0, None))
+
+
+def _join_parts(parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """A split tile's 64-column parts joined in pairs into the 128-column halves that the
+    epilogue stages (a register renaming in the WGMMA layout). Staged apart, they went
+    wrong or slow on the H100 (jax 0.11.2, session 53): a store of a 64-column value
+    into columns 64-127 of the 128-wide slot came out wrong, and one 64 x 64 slot per
+    part made ptxas spill 336-352 bytes a thread on the wide tile (2.5-3x slower)."""
+    return tuple(jnp.concatenate(parts[i:i + 2], axis=1) if i + 1 < len(parts) else parts[i]
+                 for i in range(0, len(parts), 2))
 
 
 def _row_scales(a_scale_smem, wg) -> jax.Array:
@@ -267,37 +297,32 @@ def _broadcast(vector: jax.Array, shape: tuple[int, int], axis: int) -> jax.Arra
     return lax.broadcast_in_dim(vector, shape, [axis])
 
 
-def _with_staging(allocs, out_dtype, body, slot_n: int = TILE_N) -> None:
+def _with_staging(allocs, out_dtype, body) -> None:
     """body(allocs, out_smem, wg) with the ring's shared memory and each consumer's
-    epilogue staging, 128 columns as slots of `slot_n`: one 64 x 128 slot, or on a split
-    tile two 64 x 64 ones (a store of a 64-column value into a column slice of a 128-wide
-    slot came out wrong on the H100, jax 0.11.2); then waits for the last stores to leave
-    it."""
+    64 x 128 epilogue staging tile, then waits for the last stores to leave it."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     @functools.partial(pl.run_scoped, allocs=allocs,
-                       out_smem=plgpu.SMEM((2, TILE_N // slot_n, WG_ROWS, slot_n), out_dtype),
+                       out_smem=plgpu.SMEM((2, 1, WG_ROWS, TILE_N), out_dtype),
                        collective_axes="wg")
     def _scope(allocs, out_smem):
         body(allocs, out_smem, lax.axis_index("wg"))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _store_parts(out_smem, wg, sums, first_col, limit: int, write) -> None:
-    """Stages each part of this consumer's tile (a staging slot's width of columns: a
-    128-column half, or a split tile's 64) and hands it to ``write(staged, columns)``,
-    skipping a part that starts at or past `limit` (a wide tile's second half may lie
-    wholly past the output's last column)."""
+def _store_halves(out_smem, wg, sums, first_col, limit: int, write) -> None:
+    """Stages each 128-column half of this consumer's tile and hands it to
+    ``write(staged, columns)``, skipping a half that starts at or past `limit` (a wide
+    tile's second half may lie wholly past the output's last column)."""
     from jax.experimental import pallas as pl
 
-    width = out_smem.shape[-1]
-    for part, values in enumerate(sums):
-        col0 = first_col + part * width
+    for half, values in enumerate(sums):
+        col0 = first_col + half * TILE_N
 
         @pl.when(col0 < limit)
         def _store():
-            write(stage_chunk(out_smem, wg, part, values), pl.ds(col0, width))
+            write(stage_chunk(out_smem, wg, half, values), pl.ds(col0, TILE_N))
 
 
 def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
@@ -318,7 +343,7 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
     # over the SMs where needed (`mosaic_common.tile_visit`). H100, K 1024 -> N 704 (s49):
     # one group 845 -> 879 TFLOP/s, 64 routed groups 648 -> 660.
     edge_n = n - (tiles_n - 1) * tile_n
-    part_n = SPLIT_N if cfg.split else TILE_N  # columns of each WGMMA and staged store
+    part_n = SPLIT_N if cfg.split else TILE_N  # columns of each WGMMA
     part_widths = lambda width: tuple(min(part_n, width - c) for c in range(0, width, part_n))
 
     chained = cfg.chains(k_steps)
@@ -335,7 +360,7 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
     allocs = pipeline(ignore, ignore).get_allocations(
         a_gmem, a_scale_gmem, b_gmem.at[0], b_scale_gmem.at[0])
 
-    @functools.partial(_with_staging, allocs, out_gmem.dtype, slot_n=part_n)
+    @functools.partial(_with_staging, allocs, out_gmem.dtype)
     def _scope(allocs, out_smem, wg):
         @for_each_row_visit(table_gmem, wg, tiles_m=tiles_m, tiles_n=tiles_n,
                             grid_tile_width=cfg.grid_tile_width, groups=groups,
@@ -343,7 +368,9 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                             drain=(allocs, cfg.stages) if chained else None)
         def _visit(state, ni, group, row0, wg_row0, first, count):
             def store(sums):
-                _store_parts(out_smem, wg, sums, ni * tile_n, n, lambda staged, cols:
+                if cfg.split:
+                    sums = _join_parts(sums)
+                _store_halves(out_smem, wg, sums, ni * tile_n, n, lambda staged, cols:
                               store_rows(staged, out_gmem.at[:, cols], wg_row0, first, count))
 
             def compute_context(width):
@@ -356,7 +383,9 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                 scale = lambda half: sa * _load_vector(  # noqa: E731
                     b_scale_smem.at[0, pl.ds(half * WG_ROWS, WG_ROWS)], 0)
                 if cfg.split:
-                    return _split_promote(a_smem, b_smem, wg, sums, scale(0))
+                    scales = [scale(half) for half in range(halves)]
+                    return _split_promote(a_smem, b_smem, wg, sums,
+                                          lambda j: scales[j * SPLIT_N // TILE_N])
                 promoted = []
                 for half, total in enumerate(sums):
                     b_part = b_smem.at[pl.ds(half * TILE_N, total.shape[1])]
@@ -437,7 +466,7 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
                                             reduction_op=reduction_op)
 
                 if not chained:
-                    _store_parts(out_smem, wg, sums, qi * tile_q, q, write)
+                    _store_halves(out_smem, wg, sums, qi * tile_q, q, write)
                     return
                 sem = landed.at[((g * tiles_p + pi) * tiles_q + qi) * 2 + wg]
                 for decrement in (False, True):  # the last piece resets the count
@@ -449,7 +478,7 @@ def _tn_kernel(pieces_gmem, x_gmem, x_scale_gmem, y_gmem, y_scale_gmem, out_gmem
                     pl.when(rank == 0)(lambda: write(staged, cols))
                     pl.when(rank > 0)(lambda: write(staged, cols, reduction_op="add"))
 
-                _store_parts(out_smem, wg, sums, qi * tile_q, q, write_or_add)
+                _store_halves(out_smem, wg, sums, qi * tile_q, q, write_or_add)
 
                 @pl.when(last == 0)
                 def _signal():
@@ -516,7 +545,7 @@ def scaled_grouped_matmul(a, b, group_sizes, *, a_scale, b_scale, out_dtype=jnp.
     k_steps = cdiv(k, TILE)
     cfg = (cfg or DEFAULT_CONFIG).for_tiles(
         cdiv(m, CTA_M) + groups, n, mosaic_common.sm_count(), k_steps,
-        splits=groups == 1 and k % TILE == 0).for_steps(k_steps)
+        splits=split_widths(groups, k)).for_steps(k_steps)
     a = _pad_axis(_pad_axis(a, 1, FP8_HALF_SWIZZLE), 0, CTA_M)
     a_scale = _pad_axis(a_scale, 0, CTA_M)
     b = tma_ready(_pad_axis(b, 2, FP8_HALF_SWIZZLE), 1)

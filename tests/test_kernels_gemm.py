@@ -442,16 +442,23 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     assert wgrad_pick(1, 1024, 4096, 128) == 256 and wgrad_pick(1, 1024, 1408, 128) == 128
     assert mosaic_gemm.wgrad_plan(MosaicConfig(tile_n=128), 64, 1024, 704, 768,
                                   132)[0].tile_n == 128  # an explicit tile is kept
-    # One group with K on the 128 grid takes the split 128-column tile unless the config
-    # sets the tile or the split; an explicit split takes the 128-column tile.
-    split = MosaicConfig().for_tiles(65, 7168, 132, 56, splits=True)
-    assert (split.tile_n, split.split, split.stages) == (128, True, 4)
-    assert MosaicConfig(tile_n=256, stages=3).for_tiles(65, 7168, 132, splits=True).split is False
-    assert MosaicConfig(split=False).for_tiles(65, 7168, 132, splits=True).tile_n == 256
-    assert MosaicConfig(split=True).for_tiles(65, 7168, 132).tile_n == 128
+    # A tile splits where its width is one the call splits (K on the 128 grid: the wide
+    # tile, and the 128-column one for one group) and this jax joins a split tile's parts
+    # (>= 0.11), unless the config sets the split; the wave rule still picks the tile.
+    # Older jax refuses an explicit split.
+    joins = mosaic_gemm.parts_join()
+    widths = mosaic_gemm.split_widths
+    assert (widths(1, 2048), widths(8, 2048), widths(1, 2112)) == ((256, 128), (256,), ())
+    split = MosaicConfig().for_tiles(65, 7168, 132, 56, splits=widths(1, 7168))
+    assert (split.tile_n, split.split, split.stages) == (256, joins, 3)
+    narrow = MosaicConfig().for_tiles(65, 2112, 132, 56, splits=widths(1, 7168))
+    assert (narrow.tile_n, narrow.split) == (128, joins)  # 10 > 9 waves
+    assert MosaicConfig().for_tiles(65, 2112, 132, 56, splits=widths(4, 7168)).split is False
+    assert MosaicConfig(split=False).for_tiles(65, 7168, 132, splits=(256,)).split is False
     assert pick(8192, 7168).split is False
-    with pytest.raises(ValueError, match="split=True"):
-        MosaicConfig(tile_n=256, stages=3, split=True)
+    if not joins:
+        with pytest.raises(ValueError, match=r"split=True\) needs jax >= 0.11"):
+            MosaicConfig(split=True)
     with pytest.raises(ValueError, match="tile_n=192"):
         MosaicConfig(tile_n=192)
     with pytest.raises(ValueError, match="at most 3 stages"):
@@ -464,7 +471,9 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     assert "fp8_grouped_gemm" in call.trace(a8, a_scale, b8, b_scale).lower(
         lowering_platforms=("cuda",)).as_text()
     x, xs = jax.ShapeDtypeStruct((320, 1024), a8.dtype), jax.ShapeDtypeStruct((320, 8), a_scale.dtype)
-    for cfg in (None, MosaicConfig(split=True)):  # one group: split by default; groups split
+    split_cfgs = ((MosaicConfig(split=True), MosaicConfig(tile_n=128, split=True))
+                  if joins else ())
+    for cfg in (None, *split_cfgs):  # None splits on jax >= 0.11 (K = 1024)
         for sizes in (jnp.array([512], jnp.int32), jnp.array([300, 0, 200, 12], jnp.int32)):
             split_call = jax.jit(lambda a, s_, b, bs, sizes=sizes, cfg=cfg: scaled_grouped_matmul(
                 a, b[:len(sizes)], sizes, a_scale=s_, b_scale=bs[:len(sizes)], cfg=cfg))

@@ -46,7 +46,7 @@ def test_fp8_gemm_gpu(m, n, k):
 
 
 @pytest.mark.mosaic
-@pytest.mark.parametrize("tile_n,split", [(128, False), (128, True), (256, False)])
+@pytest.mark.parametrize("tile_n,split", [(128, False), (128, True), (256, False), (256, True)])
 @pytest.mark.parametrize("m,n,k,sizes", [
     (1300, 2112, 1024, SIZES),  # uneven groups incl. 0/1/127/129 rows, 43 zero rows, N % 128
     # (N = 2112 with 256-wide tiles: the last tile's second half lies past N)
