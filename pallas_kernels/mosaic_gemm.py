@@ -62,7 +62,7 @@ def parts_join() -> bool:
 
 def split_widths(groups: int, k: int) -> tuple[int, ...]:
     """The column tile widths that split (`MosaicConfig.split`) for `groups` groups of a
-    K-deep product. None with K off the 128 grid (64-byte swizzle rows: the split 128 tile
+    K-deep product. No width with K off the 128 grid (64-byte swizzle rows: the split 128 tile
     ran 0.83x, H100, session 53); the wide tile always else; the 128-column tile for one
     group only: grouped, it ran 0.91-1.04x split (8 and 64 groups, H100, session 54)."""
     if k % TILE:
@@ -82,7 +82,8 @@ class MosaicConfig:
     tile_n: columns per CTA. 128, or 256 read as two 128-column halves that each consumer
     multiplies and promotes in turn (one b block scale per half and K step): the a tile
     then feeds twice the FLOPs per shared-memory load, and the running FP32 sums take 128
-    registers a thread plus 64 for the fresh half. Only 3 ring stages fit beside it.
+    registers a thread plus 64 for the fresh half (32 for each of two 64-column parts
+    when split). Only 3 ring stages fit beside it.
     None picks per shape (`for_tiles`). Splitting N between the consumers instead (CTA
     64 x 256) and sharing a tiles across a 2-CTA cluster by TMA multicast both measured
     no faster. The wgrad kernel reads a wide tile the same way, each half with its own
@@ -339,9 +340,9 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
     halves = tile_n // TILE_N
     tiles_n = cdiv(n, tile_n)  # a partial last column tile: its stores are clipped
     # The last column tile multiplies only its real columns (N is a multiple of 64), as
-    # 128-wide parts and a 64-wide one (704 = 5 x 128 + 64); column tiles then turn
-    # over the SMs where needed (`mosaic_common.tile_visit`). H100, K 1024 -> N 704 (s49):
-    # one group 845 -> 879 TFLOP/s, 64 routed groups 648 -> 660.
+    # 128-wide parts and a 64-wide one (704 = 5 x 128 + 64; all 64-wide when split);
+    # column tiles then turn over the SMs where needed (`mosaic_common.tile_visit`).
+    # H100, K 1024 -> N 704 (s49): one group 845 -> 879 TFLOP/s, 64 routed groups 648 -> 660.
     edge_n = n - (tiles_n - 1) * tile_n
     part_n = SPLIT_N if cfg.split else TILE_N  # columns of each WGMMA
     part_widths = lambda width: tuple(min(part_n, width - c) for c in range(0, width, part_n))
@@ -382,8 +383,8 @@ def _kernel(table_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, out_gmem, *,
                 sa = _row_scales(a_scale_smem, wg)
                 scale = lambda half: sa * _load_vector(  # noqa: E731
                     b_scale_smem.at[0, pl.ds(half * WG_ROWS, WG_ROWS)], 0)
-                if cfg.split:
-                    scales = [scale(half) for half in range(halves)]
+                if cfg.split:  # the halves this tile has: an edge tile may have one
+                    scales = [scale(half) for half in range(cdiv(len(sums) * SPLIT_N, TILE_N))]
                     return _split_promote(a_smem, b_smem, wg, sums,
                                           lambda j: scales[j * SPLIT_N // TILE_N])
                 promoted = []

@@ -419,8 +419,8 @@ def test_mosaic_fp8_ring_depth_divides_short_k_loops():
 def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     """256-column CTA tiles where they take no more waves of the 132 SMs (in 128-column
     tile times) than 128-column ones, with the ring cut to what fits beside them; an
-    explicit tile is kept, a bad one refused; the wide fprop and wgrad kernels lower for a
-    Hopper."""
+    explicit tile is kept, a bad one refused; which tiles split; the wide fprop (split
+    where this jax joins parts) and wgrad kernels lower for a Hopper."""
     from pallas_kernels import mosaic_common, mosaic_gemm
     from pallas_kernels.mosaic_gemm import MosaicConfig, scaled_grouped_matmul
 
@@ -454,9 +454,14 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     narrow = MosaicConfig().for_tiles(65, 2112, 132, 56, splits=widths(1, 7168))
     assert (narrow.tile_n, narrow.split) == (128, joins)  # 10 > 9 waves
     assert MosaicConfig().for_tiles(65, 2112, 132, 56, splits=widths(4, 7168)).split is False
-    assert MosaicConfig(split=False).for_tiles(65, 7168, 132, splits=(256,)).split is False
+    explicit = MosaicConfig(tile_n=128).for_tiles(65, 7168, 132, splits=widths(1, 7168))
+    assert (explicit.tile_n, explicit.split) == (128, joins)
+    unsplit = MosaicConfig(split=False).for_tiles(65, 7168, 132, splits=(256,))
+    assert (unsplit.tile_n, unsplit.split) == (256, False)
     assert pick(8192, 7168).split is False
-    if not joins:
+    if joins:
+        assert MosaicConfig(split=True).for_tiles(65, 7168, 132).tile_n == 256
+    else:
         with pytest.raises(ValueError, match=r"split=True\) needs jax >= 0.11"):
             MosaicConfig(split=True)
     with pytest.raises(ValueError, match="tile_n=192"):
@@ -471,9 +476,10 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     assert "fp8_grouped_gemm" in call.trace(a8, a_scale, b8, b_scale).lower(
         lowering_platforms=("cuda",)).as_text()
     x, xs = jax.ShapeDtypeStruct((320, 1024), a8.dtype), jax.ShapeDtypeStruct((320, 8), a_scale.dtype)
-    split_cfgs = ((MosaicConfig(split=True), MosaicConfig(tile_n=128, split=True))
-                  if joins else ())
-    for cfg in (None, *split_cfgs):  # None splits on jax >= 0.11 (K = 1024)
+    # N = 384 takes the 128-column tile by the wave rule: None splits it for one group
+    # where this jax joins parts; the wide split is asked for.
+    split_cfgs = ((MosaicConfig(tile_n=256, stages=3, split=True),) if joins else ())
+    for cfg in (None, *split_cfgs):
         for sizes in (jnp.array([512], jnp.int32), jnp.array([300, 0, 200, 12], jnp.int32)):
             split_call = jax.jit(lambda a, s_, b, bs, sizes=sizes, cfg=cfg: scaled_grouped_matmul(
                 a, b[:len(sizes)], sizes, a_scale=s_, b_scale=bs[:len(sizes)], cfg=cfg))
