@@ -96,7 +96,7 @@ class MosaicConfig:
     is where the time goes. The parts are joined in registers for the epilogue's store
     (`_join_parts`), which needs jax >= 0.11 (`parts_join`). On the H100 (session 54),
     against session 53's default (split 128-column tiles for one group only), the dense
-    `bench_gemm` shapes with K on the 128 grid ran 1.03-1.06x where the wave rule picks
+    `bench_gemm` shapes with K on the 128 grid ran 1.02-1.06x where the wave rule picks
     the wide tile (13 of 15) and 1.00-1.02x on the other two; four grouped shapes ran
     1.01-1.08x the unsplit wide tile. With K off the 128 grid (64-byte swizzle rows) the
     split 128 tile ran 0.83x (session 53). None: split where `for_tiles` picks it. Row
