@@ -124,29 +124,32 @@ class MosaicConfig:
     def for_tiles(self, row_tiles: int, n: int, sms: int, k_steps: int | None = None,
                   splits: tuple[int, ...] = ()) -> MosaicConfig:
         """This config with `tile_n` and `split` chosen, for `row_tiles` row visits of N
-        columns on `sms` persistent CTAs. An unset `split` is taken where the tile's width
-        is one of those the call `splits` (`split_widths`) and `parts_join`. An unset
-        `tile_n` is 256 unless its tiles take more waves of the SMs, counted in 128-column
-        tile times, than 128's (within `WAVE_SLACK`). On an H100 (session 21 in
-        docs/performance.md) the wide tile ran
-        1-7% faster on most shapes where the waves matched (two within 2% either way), 20%
-        on a dgrad of N = 7168 and K = 2112, and 20-34% on the small preset's expert GEMMs
-        (64 groups, K or N 704). It lost 9-16% where it added a wave (8192 x 2112 x 7168:
-        10 against 9; 7168 x 2048 x 8192: 8 against 7); split, 0.93x on the latter
-        (session 54). Given the `k_steps` of a chaining kernel, not where its ring would be
-        cut below `MIN_CHAINED_STAGES` to chain (`for_steps`): a 4-step K ran 732 TFLOP/s
-        wide in a chained 2-deep ring and 803 at 128 columns in a 4-deep one (session
-        51)."""
-        if self.tile_n is not None and self.split is not None:
-            return self
-        if self.tile_n is not None:
-            return dataclasses.replace(self, split=self.tile_n in splits and parts_join())
+        columns on `sms` persistent CTAs: an unset tile by `_wave_width`, then an unset
+        split where the tile's width is one of those the call `splits` (`split_widths`)
+        and `parts_join`."""
+        cfg = self
+        if cfg.tile_n is None:
+            cfg = cfg.with_tile_n(self._wave_width(row_tiles, n, sms, k_steps))
+        if cfg.split is None:
+            cfg = dataclasses.replace(cfg, split=cfg.tile_n in splits and parts_join())
+        return cfg
+
+    def _wave_width(self, row_tiles: int, n: int, sms: int, k_steps: int | None) -> int:
+        """256 unless its tiles take more waves of the SMs, counted in 128-column tile
+        times, than 128's (within `WAVE_SLACK`). On an H100 (session 21 in
+        docs/performance.md) the wide tile ran 1-7% faster on most shapes where the waves
+        matched (two within 2% either way), 20% on a dgrad of N = 7168 and K = 2112, and
+        20-34% on the small preset's expert GEMMs (64 groups, K or N 704). It lost 9-16%
+        where it added a wave (8192 x 2112 x 7168: 10 against 9; 7168 x 2048 x 8192: 8
+        against 7); split, 0.93x on the latter (session 54). Given the `k_steps` of a
+        chaining kernel, not where its ring would be cut below `MIN_CHAINED_STAGES` to
+        chain (`for_steps`): a 4-step K ran 732 TFLOP/s wide in a chained 2-deep ring and
+        803 at 128 columns in a 4-deep one (session 51)."""
         waves = lambda width: cdiv(row_tiles * cdiv(n, width), sms) * (width // TILE_N)  # noqa: E731
         wide = waves(WIDE_TILE_N) <= WAVE_SLACK * waves(TILE_N)
         if wide and k_steps is not None:
             wide = self.with_tile_n(WIDE_TILE_N).for_steps(k_steps).stages >= MIN_CHAINED_STAGES
-        return self.with_tile_n(WIDE_TILE_N if wide else TILE_N).for_tiles(
-            row_tiles, n, sms, k_steps, splits)
+        return WIDE_TILE_N if wide else TILE_N
 
     def with_tile_n(self, tile_n: int | None) -> MosaicConfig:
         """This config with `tile_n` columns (None: per shape), its ring cut to what fits
