@@ -420,7 +420,7 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     """256-column CTA tiles where they take no more waves of the 132 SMs (in 128-column
     tile times) than 128-column ones, with the ring cut to what fits beside them; an
     explicit tile is kept, a bad one refused; which tiles split; the wide fprop (split
-    where this jax joins parts) and wgrad kernels lower for a Hopper."""
+    too) and wgrad kernels lower for a Hopper."""
     from pallas_kernels import mosaic_common, mosaic_gemm
     from pallas_kernels.mosaic_gemm import MosaicConfig, scaled_grouped_matmul
 
@@ -476,10 +476,13 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     assert "fp8_grouped_gemm" in call.trace(a8, a_scale, b8, b_scale).lower(
         lowering_platforms=("cuda",)).as_text()
     x, xs = jax.ShapeDtypeStruct((320, 1024), a8.dtype), jax.ShapeDtypeStruct((320, 8), a_scale.dtype)
-    # N = 384 takes the 128-column tile by the wave rule: None splits it for one group
-    # where this jax joins parts; the wide split is asked for.
-    split_cfgs = ((MosaicConfig(tile_n=256, stages=3, split=True),) if joins else ())
-    for cfg in (None, *split_cfgs):
+    # N = 384 takes the 128-column tile by the wave rule: None splits it for one group;
+    # the wide split is asked for. A jax that cannot join parts lowers the split K loop
+    # with the parts staged apart instead (a lowering check only: those stores are wrong).
+    if not joins:
+        monkeypatch.setattr(mosaic_gemm, "parts_join", lambda: True)
+        monkeypatch.setattr(mosaic_gemm, "_join_parts", lambda parts: parts)
+    for cfg in (None, MosaicConfig(tile_n=256, stages=3, split=True)):
         for sizes in (jnp.array([512], jnp.int32), jnp.array([300, 0, 200, 12], jnp.int32)):
             split_call = jax.jit(lambda a, s_, b, bs, sizes=sizes, cfg=cfg: scaled_grouped_matmul(
                 a, b[:len(sizes)], sizes, a_scale=s_, b_scale=bs[:len(sizes)], cfg=cfg))
