@@ -121,8 +121,8 @@ def torch_worker(quick: bool, only: str | None, groups: int | None) -> dict[str,
     def k_blocks_to_4(s):
         """b's (N/128, K blocks) scales with the K blocks zero-padded to a multiple of 4,
         the layout torch's scaled_mm checks for (L4 = round_up(K/128, 4) in 2.13's meta
-        registration); torch 2.11 refused K = 2112's 17 blocks (docs/performance.md, s53).
-        Unchecked on a GPU."""
+        registration); torch 2.11 refused K = 2112's 17 blocks unpadded and reads them
+        padded (H100, docs/performance.md, sessions 53 and 54)."""
         return F.pad(s, (0, -s.shape[1] % 4))
 
     for name, m, n, k in [] if only in GROUPED_TABLES else dense_shapes(quick):

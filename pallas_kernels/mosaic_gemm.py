@@ -280,8 +280,9 @@ def _join_parts(parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """A split tile's 64-column parts joined in pairs into the 128-column halves that the
     epilogue stages (a register renaming in the WGMMA layout). Staged apart, they went
     wrong or slow on the H100 (jax 0.11.2, session 53): a store of a 64-column value
-    into columns 64-127 of the 128-wide slot came out wrong, and one 64 x 64 slot per
-    part made ptxas spill 336-352 bytes a thread on the wide tile (2.5-3x slower)."""
+    into columns 64-127 of the 128-wide slot came out wrong, and storing the parts apart
+    (in any slot layout, session 54) made ptxas spill 348-368 bytes a thread on the wide
+    tile (1.4-3.5x slower)."""
     return tuple(jnp.concatenate(parts[i:i + 2], axis=1) if i + 1 < len(parts) else parts[i]
                  for i in range(0, len(parts), 2))
 
