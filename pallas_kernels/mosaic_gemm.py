@@ -129,23 +129,28 @@ class MosaicConfig:
         and `parts_join`."""
         cfg = self
         if cfg.tile_n is None:
-            cfg = cfg.with_tile_n(self._wave_width(row_tiles, n, sms, k_steps))
+            cfg = cfg.with_tile_n(self._wave_width(row_tiles, n, sms, k_steps, splits))
         if cfg.split is None:
             cfg = dataclasses.replace(cfg, split=cfg.tile_n in splits and parts_join())
         return cfg
 
-    def _wave_width(self, row_tiles: int, n: int, sms: int, k_steps: int | None) -> int:
+    def _wave_width(self, row_tiles: int, n: int, sms: int, k_steps: int | None,
+                    splits: tuple[int, ...]) -> int:
         """256 unless its tiles take more waves of the SMs, counted in 128-column tile
-        times, than 128's (within `WAVE_SLACK`). On an H100 (session 21 in
-        docs/performance.md) the wide tile ran 1-7% faster on most shapes where the waves
-        matched (two within 2% either way), 20% on a dgrad of N = 7168 and K = 2112, and
-        20-34% on the small preset's expert GEMMs (64 groups, K or N 704). It lost 9-16%
-        where it added a wave (8192 x 2112 x 7168: 10 against 9; 7168 x 2048 x 8192: 8
-        against 7); split, 0.93x on the latter (session 54). Given the `k_steps` of a
+        times, than 128's (within `WAVE_SLACK`); a width that splits (`splits` and
+        `parts_join`) counts its tile times `SPLIT_SPEEDUP` shorter. On an H100 (session 21
+        in docs/performance.md) the wide tile ran 1-7% faster on most shapes where the
+        waves matched (two within 2% either way), 20% on a dgrad of N = 7168 and K = 2112,
+        and 20-34% on the small preset's expert GEMMs (64 groups, K or N 704). It lost
+        9-16% where it added a wave (8192 x 2112 x 7168: 10 against 9; 7168 x 2048 x 8192:
+        8 against 7); split, 0.92-0.96x on both (sessions 54, 55). Given the `k_steps` of a
         chaining kernel, not where its ring would be cut below `MIN_CHAINED_STAGES` to
         chain (`for_steps`): a 4-step K ran 732 TFLOP/s wide in a chained 2-deep ring and
         803 at 128 columns in a 4-deep one (session 51)."""
-        waves = lambda width: cdiv(row_tiles * cdiv(n, width), sms) * (width // TILE_N)  # noqa: E731
+        def waves(width: int) -> float:
+            tile_times = cdiv(row_tiles * cdiv(n, width), sms) * (width // TILE_N)
+            return tile_times / (SPLIT_SPEEDUP if width in splits and parts_join() else 1.0)
+
         wide = waves(WIDE_TILE_N) <= WAVE_SLACK * waves(TILE_N)
         if wide and k_steps is not None:
             wide = self.with_tile_n(WIDE_TILE_N).for_steps(k_steps).stages >= MIN_CHAINED_STAGES
@@ -188,6 +193,11 @@ SHORT_LOOP_STEPS = 8  # shorter K loops are mostly ring fill: chained at any dep
 WIDE_TILE_N = 2 * TILE_N
 WIDE_MAX_STAGES = 3  # 4 x 49 KB of ring and a 64 KB FP32 epilogue exceed 227 KB
 WAVE_SLACK = 1.05  # 64 wide waves against 63 narrow ones still ran 5% faster (H100)
+# A split tile's time against an unsplit one's, for the wave rule (`_wave_width`): 64 groups
+# of 65536 rows, 2048 -> 1408, ran 54 split wide tile times in 377.6 us and 48 unsplit
+# 128-column ones in 408.5. Of ten grouped shapes it moves to the split wide tile, eight ran
+# 1.01-1.10x, two with 256 rows a group 0.97-0.98x (H100, session 55).
+SPLIT_SPEEDUP = 1.08
 DEFAULT_CONFIG = MosaicConfig()
 
 

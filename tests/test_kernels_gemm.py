@@ -454,6 +454,17 @@ def test_mosaic_fp8_wide_column_tile_only_where_it_adds_no_wave(monkeypatch):
     narrow = MosaicConfig().for_tiles(65, 2112, 132, 56, splits=widths(1, 7168))
     assert (narrow.tile_n, narrow.split) == (128, joins)  # 10 > 9 waves
     assert MosaicConfig().for_tiles(65, 2112, 132, 56, splits=widths(4, 7168)).split is False
+    # Where only the wide tile would split, the wave rule counts its tile times
+    # SPLIT_SPEEDUP shorter: 64 groups of 65536 rows into N = 1408 take 54 wide tile
+    # times against 48 narrow ones, and go wide (split) only where the split is real.
+    with monkeypatch.context() as patch:
+        patch.setattr(mosaic_gemm, "parts_join", lambda: True)
+        grouped = lambda k: MosaicConfig().for_tiles(  # noqa: E731
+            512 + 64, 1408, 132, k // 128, splits=widths(64, k))
+        assert [(grouped(k).tile_n, grouped(k).split) for k in (2048, 2112)] == [
+            (256, True), (128, False)]
+        # One group: both widths split, so 10 > 9 waves still keeps 128 columns.
+        assert MosaicConfig().for_tiles(65, 2112, 132, 56, splits=widths(1, 7168)).tile_n == 128
     explicit = MosaicConfig(tile_n=128).for_tiles(65, 7168, 132, splits=widths(1, 7168))
     assert (explicit.tile_n, explicit.split) == (128, joins)
     unsplit = MosaicConfig(split=False).for_tiles(65, 7168, 132, splits=(256,))
