@@ -66,6 +66,7 @@ from moejax.train.step import (attention_implementation, layer_loop, make_eval_s
                                make_train_step, state_initializer)
 
 LOSS_WINDOW = 20  # steps per mean in the loss comparison
+PROFILED_STEPS = 3  # steps a --profile trace holds
 GIB = 2**30
 
 
@@ -79,7 +80,7 @@ class RunResult:
     measured_peak_gib: float | None
     held_out: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> loss
     device_time: profiling.DeviceTime | None = None  # per step, with --profile
-    top_kernels: list[tuple[str, str, float]] | None = None
+    top_kernels: list[tuple[str, str, float]] | None = None  # us per step, with --profile
 
 
 def text_batches(steps: int, batch: int, seq: int, seed: int, held_out: int = 0
@@ -171,9 +172,11 @@ def train(cfg: ExperimentConfig, runs: list[tuple[int, np.ndarray]],
         trace_dir.mkdir(parents=True, exist_ok=True)
         with gzip.open(trace_dir / "step.hlo.txt.gz", "wt") as f:  # to read a fusion's body
             f.write(compiled.as_text())
-        results[-1].device_time = profiling.profile(one_step, trace_dir, overlap=True)
-        results[-1].top_kernels = profiling.top_kernels(
-            profiling.load_kernel_events(trace_dir))
+        results[-1].device_time = profiling.profile(one_step, trace_dir, PROFILED_STEPS,
+                                                    overlap=True)
+        results[-1].top_kernels = [
+            (name, category, us / PROFILED_STEPS) for name, category, us in
+            profiling.top_kernels(profiling.load_kernel_events(trace_dir))]
     return results
 
 
@@ -319,7 +322,7 @@ def print_account(results: dict[str, RunResult]) -> None:
         f"{cells(max(1e3 * r.step_s - r.device_time.total_busy_ms, 0.0), r):>20}"
         for r in profiled.values()))
     for precision, r in profiled.items():
-        print(f"\n{precision}: kernels with the most time over the traced steps")
+        print(f"\n{precision}: kernels with the most time (ms a step)")
         for name, category, us in r.top_kernels:
             print(f"  {us / 1e3:>9.1f} ms  {category:<13} {name}")
 
