@@ -127,18 +127,19 @@ class MosaicConfig:
         columns on `sms` persistent CTAs: an unset tile by `_wave_width`, then an unset
         split where the tile's width is one of those the call `splits` (`split_widths`)
         and `parts_join`."""
+        splits = splits if parts_join() else ()
         cfg = self
         if cfg.tile_n is None:
             cfg = cfg.with_tile_n(self._wave_width(row_tiles, n, sms, k_steps, splits))
         if cfg.split is None:
-            cfg = dataclasses.replace(cfg, split=cfg.tile_n in splits and parts_join())
+            cfg = dataclasses.replace(cfg, split=cfg.tile_n in splits)
         return cfg
 
     def _wave_width(self, row_tiles: int, n: int, sms: int, k_steps: int | None,
                     splits: tuple[int, ...]) -> int:
         """256 unless its tiles take more waves of the SMs, counted in 128-column tile
-        times, than 128's (within `WAVE_SLACK`); a width that splits (`splits` and
-        `parts_join`) counts its tile times `SPLIT_SPEEDUP` shorter. On an H100 (session 21
+        times, than 128's (within `WAVE_SLACK`); a width in `splits` (those that will
+        split) counts its tile times `SPLIT_SPEEDUP` shorter. On an H100 (session 21
         in docs/performance.md) the wide tile ran 1-7% faster on most shapes where the
         waves matched (two within 2% either way), 20% on a dgrad of N = 7168 and K = 2112,
         and 20-34% on the small preset's expert GEMMs (64 groups, K or N 704). It lost
@@ -149,7 +150,7 @@ class MosaicConfig:
         803 at 128 columns in a 4-deep one (session 51)."""
         def waves(width: int) -> float:
             tile_times = cdiv(row_tiles * cdiv(n, width), sms) * (width // TILE_N)
-            return tile_times / (SPLIT_SPEEDUP if width in splits and parts_join() else 1.0)
+            return tile_times / (SPLIT_SPEEDUP if width in splits else 1.0)
 
         wide = waves(WIDE_TILE_N) <= WAVE_SLACK * waves(TILE_N)
         if wide and k_steps is not None:
