@@ -246,11 +246,15 @@ def expert_rows(shape: tuple[int, int], repeats: int, interpret: bool) -> list[R
                         functools.partial(tm.quantize_rows, interpret=interpret),
                         ref.quantize_rows, [a[:1] for a in args], "bitwise", repeats)
     one_group = aligned_layout(jnp.asarray([rows], jnp.int32), rows)
-    out += _measured_row(f"M={rows} I={cols}", "quantize_both_ways (x -> FP8 x, x^T)",
-                         4 * rows * cols + scales + 4 * cols * cdiv(rows, TILE),
-                         lambda x: tm.quantize_both_ways(x, one_group, interpret=interpret),
-                         lambda x: ref.quantize_both_ways(x, one_group),
-                         [a[:1] for a in args], "bitwise", repeats)
+    both_ways = {"quantize_both_ways (x -> FP8 x, x^T)":
+                 lambda x: tm.quantize_both_ways(x, one_group, interpret=interpret)}
+    if mosaic_common.available() and mm.both_ways_applies(shape, jnp.bfloat16):
+        both_ways["quantize_both_ways streamed (Mosaic GPU)"] = mm.quantize_both_ways
+    for name, kernel in both_ways.items():
+        out += _measured_row(f"M={rows} I={cols}", name,
+                             4 * rows * cols + scales + 4 * cols * cdiv(rows, TILE), kernel,
+                             lambda x: ref.quantize_both_ways(x, one_group),
+                             [a[:1] for a in args], "bitwise", repeats)
     for with_inputs, name in ((False, "swiglu_quantize (gate, up -> FP8)"),
                               (True, "swiglu_quantize with_inputs (+ gate, up FP8)")):
         copies = 3 if with_inputs else 1

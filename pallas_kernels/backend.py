@@ -4,7 +4,8 @@
   block-scaled FP8 GEMMs in `mosaic_gemm` (fprop and dgrad with 128x128 weight scales;
   wgrad with 1x128 token scales on both operands, in a tile-aligned token layout), all
   three BF16 grouped GEMMs in `mosaic_bf16_gemm`; token movement runs the Triton
-  kernels but for quantize_along_tokens in the plain token layout (`mosaic_movement`).
+  kernels but for quantize_along_tokens in the plain token layout and a dense linear's
+  quantize_both_ways, which stream through TMA (`mosaic_movement`).
   Default on an sm_90 GPU.
 - "triton": the Pallas kernels in `triton_gemm`, lowered through Triton (any CUDA GPU).
 - "interpret": the same kernels in Pallas interpret mode (CPU tests of kernel logic).

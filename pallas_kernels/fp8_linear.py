@@ -64,9 +64,10 @@ def _quantized_weights(w: jax.Array) -> tuple[Quantized, Quantized]:
     return (wq, scale), (wq_t, jnp.swapaxes(scale, 1, 2))
 
 
-def _output_gradient(dy, layout: AlignedLayout) -> tuple[Quantized, Quantized]:
+def _output_gradient(dy, layout: AlignedLayout | None) -> tuple[Quantized, Quantized]:
     """dy (M, N) for both GEMMs, from one read: 1x128 along N for dgrad, and dy^T (N, R)
-    1x128 along the tokens in `layout` for wgrad."""
+    1x128 along the tokens in `layout` for wgrad (None: one group of all M rows, M a
+    multiple of 128, where R = M)."""
     dyq, dys, dyq_t, dys_t = quantize_both_ways(dy, layout)
     return (dyq, dys), (dyq_t, dys_t)
 
@@ -94,11 +95,14 @@ def _wgrad(dy_t: Quantized, x_t: Quantized, layout: AlignedLayout, dtype) -> jax
                                    token_major=False, out_dtype=dtype, tile_aligned=True)
 
 
-def _backward(res, dy):
+def _backward(res, dy, dense: bool = False):
+    """dx and dw; ``dense``: one group holds every row (``fp8_linear``), so where M is a
+    multiple of 128 dy's token layout is already the aligned one."""
     x, w, sizes, x_dtype, w_dtype = res
     x, w = from_residual(x), from_residual(w)
     layout = aligned_layout(sizes, dy.shape[0])
-    dy_rows, dy_t = _output_gradient(dy, layout)
+    plain = dense and dy.shape[0] % TILE == 0
+    dy_rows, dy_t = _output_gradient(dy, None if plain else layout)
     dx = _dgrad(dy_rows, w, sizes, x_dtype.dtype)
     return dx, _wgrad(dy_t, _along_tokens(x, layout), layout, w_dtype.dtype)
 
@@ -124,7 +128,7 @@ def _linear_fwd(x, w):
 
 
 def _linear_bwd(res, dy):
-    dx, dw = _backward(res, dy)
+    dx, dw = _backward(res, dy, dense=True)
     return dx, dw[0]
 
 

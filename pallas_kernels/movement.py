@@ -6,8 +6,8 @@ the SwiGLU output for the down projection).
 The sort itself is index math on T*k int32 keys, shared by every backend; the passes over
 the (T*k, H) data run on the backend chosen in `backend.py` (Triton kernels, the same
 kernels interpreted, or the pure-JAX reference in `movement_reference.py`); on the
-"mosaic" backend the plain-layout quantize_along_tokens streams through TMA instead
-(`mosaic_movement.py`).
+"mosaic" backend the plain-layout quantize_along_tokens and quantize_both_ways stream
+through TMA instead (`mosaic_movement.py`).
 
 Differentiation: the BF16 dispatch's backward is the inverse permutation with the k copies
 summed (a combine with unit weights); combine's backward is a weighted dispatch of the
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import mosaic_movement, movement_reference, triton_movement
 from pallas_kernels.backend import backend
-from pallas_kernels.group_schedule import AlignedLayout
+from pallas_kernels.group_schedule import AlignedLayout, aligned_layout
 from pallas_kernels.quantize import TILE, cdiv
 
 # Ops whose XLA compile of the reference already runs at the kernel's speed on a GPU, so
@@ -228,15 +228,21 @@ def quantize_along_tokens(x: jax.Array, layout: AlignedLayout | None = None,
     return _impl("quantize_along_tokens", *shapes)(x, layout, scale)
 
 
-def quantize_both_ways(x: jax.Array, layout: AlignedLayout
+def quantize_both_ways(x: jax.Array, layout: AlignedLayout | None = None
                        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """An FP8 linear's output gradient x (M, K), read once and quantized for both GEMMs that
     take it: ``quantize_1x128(x)`` for dgrad and ``quantize_along_tokens(x, layout)`` for
     wgrad, bit for bit (4 arrays: values and scales of each). Rows the layout leaves out
     (past the groups' sum) are not written in the first pair on the GPU: no GEMM uses
-    them."""
+    them. ``layout`` None: one group of all M rows (a dense linear's gradient), which the
+    "mosaic" backend streams through TMA where the shape fits
+    (`mosaic_movement.both_ways_applies`)."""
     if x.ndim != 2:
         raise ValueError(f"quantize_both_ways wants x (M, K), got {x.shape}")
+    if layout is None:
+        if backend() == "mosaic" and mosaic_movement.both_ways_applies(x.shape, x.dtype):
+            return mosaic_movement.quantize_both_ways(x)
+        layout = aligned_layout(jnp.array([x.shape[0]], jnp.int32), x.shape[0])
     shapes = ((x.shape, x.dtype), (x.shape, jnp.float8_e4m3fn),
               ((x.shape[1], layout.length), jnp.float8_e4m3fn))
     return _impl("quantize_both_ways", *shapes)(x, layout)

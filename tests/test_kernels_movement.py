@@ -9,6 +9,7 @@ explicit poisoned buffer) so an unwritten element fails the comparison.
 from __future__ import annotations
 
 import functools
+import importlib
 import re
 
 import jax
@@ -236,6 +237,50 @@ def test_quantize_both_ways_names_a_wrong_rank_and_tile():
     with pytest.raises(ValueError, match="128 x 128 tiles, got block_rows=16, block_cols=256"):
         tm.quantize_both_ways(jnp.zeros((128, 256), jnp.bfloat16), layout, cfg=SMALL,
                               interpret=True)
+
+
+@pytest.mark.parametrize("m", [256, 300])
+def test_quantize_both_ways_without_a_layout_is_one_group_of_all_rows(request, m):
+    """layout None (a dense linear's gradient) is the one-group aligned layout: tokens in
+    place, the last tile zero-padded where M is not a multiple of 128."""
+    x = jnp.asarray(_rng(request).standard_normal((m, 256)) * 3, jnp.bfloat16)
+    one_group = aligned_layout(jnp.asarray([m], jnp.int32), m)
+    for name in ("reference", "interpret"):
+        with pk.use_backend(name):
+            got, want = pk.quantize_both_ways(x), pk.quantize_both_ways(x, one_group)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+    assert got[2].shape == (256, one_group.length)
+
+
+@pytest.mark.parametrize("m,dense,plain", [(256, True, True), (300, True, False),
+                                           (256, False, False)])
+def test_fp8_linear_backward_hands_a_dense_gradient_over_without_a_layout(monkeypatch, m,
+                                                                          dense, plain):
+    """The dense FP8 linear's dy goes to quantize_both_ways with no layout (the streamed
+    kernel's case) where M is a multiple of 128; a grouped linear's, or a ragged M's, with
+    its aligned layout. The gradients are the same either way (the reference runs both)."""
+    fp8 = importlib.import_module("pallas_kernels.fp8_linear")
+    seen = []
+
+    def spy(dy, layout=None):
+        seen.append(layout)
+        return movement.quantize_both_ways(dy, layout)
+
+    monkeypatch.setattr(fp8, "quantize_both_ways", spy)
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 128)) * 0.05, jnp.float32)
+    if dense:
+        loss = lambda x, w: jnp.sum(pk.fp8_linear(x, w).astype(jnp.float32) ** 2)  # noqa: E731
+    else:
+        sizes = jnp.asarray([m // 2, m - m // 2], jnp.int32)
+        loss = lambda x, w: jnp.sum(pk.fp8_grouped_linear(  # noqa: E731
+            x, jnp.stack([w, -w]), sizes).astype(jnp.float32) ** 2)
+    with pk.use_backend("reference"):
+        grads = jax.grad(loss, argnums=(0, 1))(x, w)
+    assert (seen[-1] is None) == plain
+    assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads)
 
 
 @pytest.mark.parametrize("m,kdim,sizes", [(300, 200, None), (77, 384, None),
@@ -559,17 +604,41 @@ def test_streamed_quantize_along_tokens_says_what_it_takes(shape, dtype, takes):
             mm.quantize_along_tokens(jnp.zeros(shape, dtype))
 
 
-@pytest.mark.parametrize("shape,cfg", [((4096, 2048), mm.StreamConfig()),
-                                       ((1536, 384), mm.StreamConfig(block_cols=128, depth=4))])
-def test_streamed_quantize_along_tokens_lowers_for_cuda(shape, cfg):
-    """Traced and lowered for a GPU on the CPU (register layouts, the TMA pipeline)."""
-    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    lowered = jax.jit(lambda x: mm.quantize_along_tokens(x, cfg=cfg)).trace(x).lower(
-        lowering_platforms=("cuda",))
+@pytest.mark.parametrize("op,shape,cfg", [
+    ("along_tokens", (4096, 2048), mm.StreamConfig()),
+    ("along_tokens", (1536, 384), mm.StreamConfig(block_cols=128, depth=4)),
+    ("both_ways", (4096, 384), mm.BOTH_WAYS_CONFIG),
+    ("both_ways", (1536, 256), mm.StreamConfig(block_cols=128, depth=2))])
+def test_streamed_kernels_lower_for_cuda(op, shape, cfg):
+    """Traced and lowered for a GPU on the CPU (register layouts, the TMA pipeline), with
+    the documented outputs: the both-ways kernel's row scales come back (M, K/128)."""
+    kernel = getattr(mm, f"quantize_{op}")
+    lowered = jax.jit(lambda x: kernel(x, cfg=cfg)).trace(
+        jax.ShapeDtypeStruct(shape, jnp.bfloat16)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-    q, s = lowered.out_info
-    assert (q.shape, q.dtype, s.shape) == ((shape[1], shape[0]), jnp.float8_e4m3fn,
-                                           (shape[1], shape[0] // 128))
+    (m, k), f8 = shape, jnp.float8_e4m3fn
+    rows = [((m, k), f8), ((m, k // 128), jnp.float32)] if op == "both_ways" else []
+    assert [(o.shape, o.dtype) for o in lowered.out_info] == rows + [
+        ((k, m), f8), ((k, m // 128), jnp.float32)]
+
+
+@pytest.mark.parametrize("shape,dtype,ctas_per_sm,takes", [
+    ((65536, 1408), jnp.bfloat16, 1, True), ((16384, 2048), jnp.float16, 1, True),
+    ((16384, 1024), jnp.bfloat16, 1, False),  # 128 CTAs on 132 SMs: Triton's
+    ((65536, 1408), jnp.bfloat16, 8, False),  # a GPU with 8x the SMs
+    ((65536, 1000), jnp.bfloat16, 1, False), ((65536, 1408), jnp.float32, 1, False),
+    ((65000, 1408), jnp.bfloat16, 1, False)])
+def test_streamed_quantize_both_ways_says_what_it_takes(monkeypatch, shape, dtype,
+                                                        ctas_per_sm, takes):
+    monkeypatch.setattr(mm, "sm_count", lambda: 132 * ctas_per_sm)
+    assert mm.both_ways_applies(shape, dtype) == takes
+
+
+def test_streamed_quantize_both_ways_names_a_shape_and_config_it_cannot_take():
+    with pytest.raises(ValueError, match=re.escape("got (4096, 1000) bfloat16")):
+        mm.quantize_both_ways(jnp.zeros((4096, 1000), jnp.bfloat16))
+    with pytest.raises(ValueError, match="block_cols=64"):
+        mm.quantize_both_ways(jnp.zeros((4096, 1024), jnp.bfloat16), cfg=mm.StreamConfig())
 
 
 # ---- on a GPU: the Triton kernels at model shapes -------------------------------------
@@ -696,15 +765,9 @@ def test_gpu_swiglu_quantize_tracks_xla():
         np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))
 
 
-@pytest.mark.gpu
-@pytest.mark.mosaic
-@pytest.mark.parametrize("tokens,hidden,cfg", [(4096, 2048, mm.StreamConfig()),
-                                               (1536, 192, mm.StreamConfig()),
-                                               (1024, 384, mm.StreamConfig(block_cols=128))])
-def test_gpu_streamed_quantize_along_tokens_is_bitwise_the_reference(tokens, hidden, cfg):
-    """The TMA-streamed kernel is quantize_1x128 of x.T bit for bit, special tiles included
-    (a 1e4x outlier, tiny values, the smallest normal, all-equal, all-zero, inf, NaN). Its
-    buffers first hold another input's results, so an unwritten tile would show."""
+def _special_tiles(tokens: int, hidden: int) -> jax.Array:
+    """Random BF16 rows with special 1x128 tiles along both axes: a 1e4x outlier, tiny
+    values, the smallest normal, all-equal, all-zero, inf and NaN."""
     rng = np.random.default_rng(tokens + hidden)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3
     x[0, 7], x[300, 20] = 3e4, -3e4
@@ -714,7 +777,19 @@ def test_gpu_streamed_quantize_along_tokens_is_bitwise_the_reference(tokens, hid
     x[384:512, 24] = 0.0
     x[4, 9], x[70, 25] = np.inf, -np.inf
     x[5, 11], x[200, 26] = np.nan, np.nan
-    x = jnp.asarray(x, jnp.bfloat16)
+    x[400, 128:256] = 0.0  # an all-zero row tile
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.mosaic
+@pytest.mark.parametrize("tokens,hidden,cfg", [(4096, 2048, mm.StreamConfig()),
+                                               (1536, 192, mm.StreamConfig()),
+                                               (1024, 384, mm.StreamConfig(block_cols=128))])
+def test_gpu_streamed_quantize_along_tokens_is_bitwise_the_reference(tokens, hidden, cfg):
+    """The TMA-streamed kernel is quantize_1x128 of x.T bit for bit, special tiles included.
+    Its buffers first hold another input's results, so an unwritten tile would show."""
+    x = _special_tiles(tokens, hidden)
     run = jax.jit(lambda x: mm.quantize_along_tokens(x, cfg=cfg))
     jax.block_until_ready(run(x[::-1] * 2))
     q, s = run(x)
@@ -741,3 +816,49 @@ def test_gpu_public_quantize_along_tokens_streams_where_the_kernel_applies():
             got, want = call(*args), jax.jit(ref.quantize_along_tokens)(*args)
             _fp8_bits_match(got[0], want[0])
             np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.mosaic
+@pytest.mark.parametrize("tokens,hidden,cfg", [(4096, 2048, mm.BOTH_WAYS_CONFIG),
+                                               (1536, 256, mm.BOTH_WAYS_CONFIG),
+                                               (1024, 384, mm.StreamConfig(128, 4, 2))])
+def test_gpu_streamed_quantize_both_ways_is_bitwise_the_reference(tokens, hidden, cfg):
+    """Both quantizations of the TMA-streamed kernel are the reference's bit for bit (rows
+    1x128 along H, x.T 1x128 along the tokens), special tiles included, its buffers first
+    holding another input's results."""
+    x = _special_tiles(tokens, hidden)
+    run = jax.jit(lambda x: mm.quantize_both_ways(x, cfg=cfg))
+    jax.block_until_ready(run(x[::-1] * 2))
+    got = run(x)
+    want = (*jax.jit(pk.quantize_1x128)(x), *jax.jit(ref.quantize_along_tokens)(x))
+    for a, b in zip(got, want):
+        if b.dtype == jnp.float8_e4m3fn:
+            _fp8_bits_match(a, b)
+        else:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.mosaic
+def test_gpu_public_quantize_both_ways_streams_where_the_kernel_applies():
+    """The mosaic backend streams a dense gradient (no layout) that fills the GPU, and runs
+    Triton for an aligned layout or too few CTAs; all equal the reference."""
+    rng = np.random.default_rng(56)
+    big = jnp.asarray(rng.standard_normal((8192, 2176)), jnp.bfloat16)  # 8 x 17 CTAs
+    small = big[:1024, :256]
+    layout = aligned_layout(jnp.asarray([3000, 0, 5192], jnp.int32), 8192)
+    cases = [((big,), "mosaic_gpu"), ((big, layout), "triton"), ((small,), "triton")]
+    with pk.use_backend("mosaic"):
+        for args, kernel in cases:
+            call = jax.jit(pk.quantize_both_ways)
+            assert kernel in call.trace(*args).lower().as_text()
+            x = args[0]
+            lay = args[1] if len(args) > 1 else aligned_layout(
+                jnp.asarray([x.shape[0]], jnp.int32), x.shape[0])
+            want = jax.jit(ref.quantize_both_ways)(x, lay)
+            for a, b in zip(call(*args), want):
+                if b.dtype == jnp.float8_e4m3fn:
+                    _fp8_bits_match(a, b)
+                else:
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
