@@ -690,6 +690,16 @@ def _fp8_bits_match(got, want) -> None:
     np.testing.assert_array_equal(_bits(got)[fin], _bits(want)[fin])
 
 
+def _quantized_match(got, want) -> None:
+    """Each pair of a quantization's outputs equal: FP8 values as `_fp8_bits_match`, FP32
+    scales exactly."""
+    for a, b in zip(got, want, strict=True):
+        if b.dtype == jnp.float8_e4m3fn:
+            _fp8_bits_match(a, b)
+        else:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.gpu
 def test_gpu_quantizing_kernels_leave_the_clamp_to_the_fp8_cast():
     """Compiled, the kernels drop quantize_1x128's clamp (the GPU's E4M3 cast saturates).
@@ -720,12 +730,8 @@ def test_gpu_quantizing_kernels_leave_the_clamp_to_the_fp8_cast():
     with pk.use_backend("triton"):
         both = jax.jit(pk.quantize_both_ways)(x, layout)
     want_t = jax.jit(ref.quantize_along_tokens)(x, layout)
-    for got, want in zip(both, (want_rows_q[:400], want_rows_s[:400], *want_t)):
-        got = got[:400] if got.shape[0] == t else got
-        if got.dtype == jnp.float8_e4m3fn:
-            _fp8_bits_match(got, want)
-        else:
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    _quantized_match([got[:400] if got.shape[0] == t else got for got in both],
+                     (want_rows_q[:400], want_rows_s[:400], *want_t))
     want_q, want_s = pk.quantize_1x128(x[perm])
     _fp8_bits_match(q, want_q)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
@@ -831,12 +837,7 @@ def test_gpu_streamed_quantize_both_ways_is_bitwise_the_reference(tokens, hidden
     run = jax.jit(lambda x: mm.quantize_both_ways(x, cfg=cfg))
     jax.block_until_ready(run(x[::-1] * 2))
     got = run(x)
-    want = (*jax.jit(pk.quantize_1x128)(x), *jax.jit(ref.quantize_along_tokens)(x))
-    for a, b in zip(got, want):
-        if b.dtype == jnp.float8_e4m3fn:
-            _fp8_bits_match(a, b)
-        else:
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _quantized_match(got, (*jax.jit(pk.quantize_1x128)(x), *jax.jit(ref.quantize_along_tokens)(x)))
 
 
 @pytest.mark.gpu
@@ -856,9 +857,4 @@ def test_gpu_public_quantize_both_ways_streams_where_the_kernel_applies():
             x = args[0]
             lay = args[1] if len(args) > 1 else aligned_layout(
                 jnp.asarray([x.shape[0]], jnp.int32), x.shape[0])
-            want = jax.jit(ref.quantize_both_ways)(x, lay)
-            for a, b in zip(call(*args), want):
-                if b.dtype == jnp.float8_e4m3fn:
-                    _fp8_bits_match(a, b)
-                else:
-                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            _quantized_match(call(*args), jax.jit(ref.quantize_both_ways)(x, lay))
