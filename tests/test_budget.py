@@ -62,7 +62,18 @@ def test_static_terms_are_the_sharded_state(no_workspace_compile):
     assert params(one) - params(split) > experts * (1 - 1 / 8) - 1
     assert split.term("gradients").bytes < params(split)  # router biases have no gradient
     assert split.term("EMA").bytes == split.term("gradients").bytes  # sharded like them
-    assert not split.term("EMA").on_device  # pinned_host exists on XLA:CPU
+    assert not split.term("EMA").on_device  # host RAM
+    # The EMA's snapshot on the device: with ema_every=1 one group, all of a device's
+    # parameters; with 4 groups the largest holds about a quarter of them
+    def snapshot(every):
+        term = budget_model.estimate(
+            _tiny("train.batch_size=8", "train.ema_decay=0.9", f"train.ema_every={every}"),
+            MeshSpec(data=2, expert=4), device_memory=2**40).term("EMA snapshot")
+        assert term.on_device
+        return term.bytes
+
+    assert snapshot(1) == split.term("EMA").bytes
+    assert split.term("EMA").bytes / 4 <= snapshot(4) < split.term("EMA").bytes / 3
     tokens = (8 // 8) * 32
     copies = tokens * m.num_experts_per_tok
     assert split.term("expert exchange buffers").bytes == 2 * 4 * copies * (m.hidden_size * 4 + 4)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moejax.memory.ema import HOST_MEMORY, HostEMA
+from moejax.memory.ema import HOST_MEMORY, HostEMA, largest_snapshot_bytes, snapshot_groups
 from moejax.train.checkpoint import Checkpointer
 from moejax.train.config import apply_overrides, get_experiment_preset
 
@@ -21,34 +21,93 @@ def _data_mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((len(devices),), ("data",), devices=devices)
 
 
-@pytest.mark.parametrize("every", [1, 2])
-def test_ema_matches_closed_form_and_lives_in_host_memory(every):
-    rng = np.random.default_rng()
-    decay, steps = 0.8, 6
-    mesh = _data_mesh()
-    shardings = {"w": NamedSharding(mesh, P("data", None)), "b": NamedSharding(mesh, P())}
-    params = [{"w": rng.standard_normal((4, 3)), "b": rng.standard_normal((5,))}
-              for _ in range(steps + 1)]
+def _params_and_shardings(rng, mesh):
+    """A data-split matrix (its axis 0 sharded: never cut), a replicated vector, a stacked
+    (6, 2, 3) leaf (cut into row pieces) and a scalar."""
+    shardings = {"w": NamedSharding(mesh, P("data", None)), "b": NamedSharding(mesh, P()),
+                 "stack": NamedSharding(mesh, P(None, None, "data")),
+                 "scale": NamedSharding(mesh, P())}
+    shapes = {"w": (4, 3), "b": (5,), "stack": (6, 2, 4), "scale": ()}
+    draw = lambda: {k: rng.standard_normal(v) for k, v in shapes.items()}  # noqa: E731
     put = lambda p: jax.tree.map(  # noqa: E731
         lambda x, s: jax.device_put(jnp.asarray(x, jnp.float32), s), p, shardings)
-    ema = HostEMA(decay, shardings, every)
-    state = ema.init(put(params[0]))
-    finite = [True, True, False, False, True, True]  # 3 and 4 skipped; 4 is due either way
-    for t in range(1, steps + 1):
-        if ema.due(t):
-            state = ema.update(state, put(params[t]), finite[t - 1])
-    assert ema.on_host
+    return draw, put, shardings
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_ema_matches_closed_form_per_group_and_lives_in_host_memory(every):
+    rng = np.random.default_rng()
+    decay, steps = 0.8, 7
+    draw, put, shardings = _params_and_shardings(rng, _data_mesh())
+    params = [draw() for _ in range(steps + 1)]
+    finite = [True, True, False, False, True, True, True]  # steps 3 and 4 skipped
+    with HostEMA(decay, shardings, every) as ema:
+        ema.start(put(params[0]))
+        for t in range(1, steps + 1):
+            ema.update(t, put(params[t]), finite[t - 1])
+        state = ema.arrays()
+        on_device = ema.arrays(shardings)
+        groups = ema.groups
     assert all(x.sharding.memory_kind == HOST_MEMORY for x in jax.tree.leaves(state))
     assert state["w"].sharding.spec == P("data", None)
-    # Closed form over the applied steps, with d = decay**every a blend:
-    # d^n p_0 + (1 - d) sum_k d^(n-k) p_k.
-    applied = [t for t in range(1, steps + 1) if t % every == 0 and finite[t - 1]]
-    assert len(applied) == {1: 4, 2: 2}[every]
-    n, d = len(applied), decay ** every
-    for name in ("w", "b"):
-        expected = d ** n * params[0][name] + (1 - d) * sum(
-            d ** (n - 1 - i) * params[t][name] for i, t in enumerate(applied))
-        np.testing.assert_allclose(np.asarray(state[name]), expected, rtol=2e-6, atol=2e-7)
+    assert on_device["stack"].sharding == shardings["stack"]
+    names = sorted(shardings)  # the flattened leaf order
+    pieces = [p for g in groups for p in g]
+    assert len(groups) == every and any(p.rows for p in pieces) == (every > 1)
+    d = decay ** every
+    for g, group in enumerate(groups):
+        # Closed form over the steps that blended this group:
+        # d^n p_0 + (1 - d) sum_k d^(n-1-k) p_k.
+        applied = [t for t in range(1, steps + 1) if (t - 1) % every == g and finite[t - 1]]
+        for piece in group:
+            name = names[piece.leaf]
+            rows = slice(*piece.rows) if piece.rows else slice(None)
+            pick = lambda p: np.asarray(p[name])[rows] if p[name].ndim else p[name]  # noqa: E731
+            n = len(applied)
+            expected = d ** n * pick(params[0]) + (1 - d) * sum(
+                d ** (n - 1 - i) * pick(params[t]) for i, t in enumerate(applied))
+            got = np.asarray(state[name])[rows] if state[name].ndim else np.asarray(state[name])
+            np.testing.assert_allclose(got, expected, rtol=2e-6, atol=2e-7)
+            np.testing.assert_array_equal(np.asarray(on_device[name]), np.asarray(state[name]))
+
+
+def test_snapshot_groups_cover_every_row_once_and_balance_bytes():
+    """`small`'s parameter shapes in 8 groups: the stacked expert weights are cut along
+    their layers, every row lands in one group, and the largest group stays near an
+    eighth of the bytes."""
+    from moejax.train.step import state_initializer
+
+    cfg = get_experiment_preset("small")
+    abstract = jax.eval_shape(state_initializer(cfg)[1], jnp.uint32(0)).params
+    device = NamedSharding(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]), P())
+    shardings = jax.tree.map(lambda _: device, abstract)
+    leaves = jax.tree.leaves(abstract)
+    groups = snapshot_groups(abstract, shardings, 8)
+    covered = [np.zeros(x.shape[0] if x.ndim else 1, int) for x in leaves]
+    for piece in (p for g in groups for p in g):
+        covered[piece.leaf][slice(*piece.rows) if piece.rows else slice(None)] += 1
+    assert all((c == 1).all() for c in covered)
+    total = sum(x.size * x.dtype.itemsize for x in leaves)
+    largest = largest_snapshot_bytes(abstract, shardings, 8)
+    assert total / 8 <= largest < 0.14 * total
+
+
+def test_a_failed_blend_is_raised_on_the_training_thread(monkeypatch):
+    from moejax.memory import ema as ema_module
+
+    def broken(*args):
+        raise FloatingPointError("disk full")
+
+    monkeypatch.setattr(ema_module, "_blend_into", broken)
+    draw, put, shardings = _params_and_shardings(np.random.default_rng(), _data_mesh())
+    with HostEMA(0.9, shardings) as ema:
+        ema.start(put(draw()))
+        ema.update(1, put(draw()))
+        with pytest.raises(RuntimeError, match="host EMA: a blend failed") as failure:
+            ema.wait()
+        assert isinstance(failure.value.__cause__, FloatingPointError)
+        with pytest.raises(RuntimeError, match="a blend failed"):
+            ema.update(2, put(draw()))
 
 
 @pytest.mark.parametrize("override", ["train.ema_decay=1.5", "train.ema_every=0"])
@@ -58,39 +117,44 @@ def test_ema_settings_are_validated(override):
 
 
 def test_checkpoint_restores_the_ema_into_host_memory(tmp_path):
-    mesh = _data_mesh()
-    shardings = {"w": NamedSharding(mesh, P("data", None))}
-    ema = HostEMA(0.9, shardings)
-    saved = ema.init({"w": jax.device_put(
-        jnp.asarray(np.random.default_rng().standard_normal((4, 3)), jnp.float32),
-        shardings["w"])})
+    draw, put, shardings = _params_and_shardings(np.random.default_rng(), _data_mesh())
     cfg = get_experiment_preset("tiny").checkpoint
+    with HostEMA(0.9, shardings, 3) as ema:
+        ema.start(put(draw()))
+        ema.update(1, put(draw()))
+        saved = ema.arrays()
     ckpt = Checkpointer(tmp_path, dataclasses.replace(cfg, async_save=False))
     state = {"step": jnp.int32(7)}
     ckpt.save(7, state, {"position": 3}, saved)
     ckpt.close()
     ckpt = Checkpointer(tmp_path, cfg)
     abstract_state = {"step": jax.ShapeDtypeStruct((), jnp.int32)}
-    _, data, restored = ckpt.restore(7, abstract_state, ema.abstract(saved))
-    ckpt.close()
+    with HostEMA(0.9, shardings, 2) as ema:  # a resume may regroup (train.ema_every)
+        _, data, restored = ckpt.restore(7, abstract_state, ema.abstract(saved))
+        ckpt.close()
+        assert restored["w"].sharding.memory_kind == HOST_MEMORY
+        ema.load(restored)
+        again = ema.arrays()
     assert data == {"position": 3}
-    assert restored["w"].sharding.memory_kind == HOST_MEMORY
-    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(saved["w"]))
+    for name in shardings:
+        np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(saved[name]))
 
 
 def test_training_with_ema_evaluates_and_resumes(tmp_path):
     from moejax.train.loop import Trainer  # needs grain, which the GPU image lacks
 
-    def run(steps, resume):
+    def run(steps, resume, *layout):
         cfg = apply_overrides(get_experiment_preset("tiny"), [
-            "model.num_hidden_layers=2", "train.seq_len=16", "train.batch_size=4",
+            "model.num_hidden_layers=2", "train.seq_len=16", "train.batch_size=8",
             "train.warmup_steps=1", "train.schedule_steps=3", "train.eval_every=2",
             "train.eval_batches=1", "train.ema_decay=0.5", "checkpoint.every=2",
-            f"train.steps={steps}"])
+            f"train.steps={steps}", *layout])
         return Trainer(cfg, tmp_path, resume=resume, log=lambda _: None).run()
 
-    first = run(2, resume=False)
-    resumed = run(3, resume=True)  # restores state and EMA from step 2
+    first = run(2, False, "train.ema_every=2")
+    # restores state and EMA from step 2 onto data=2 x expert=4 with ZeRO-3, in 3 groups
+    resumed = run(3, True, "mesh.data=2", "mesh.expert=4", "train.zero_stage=3",
+                  "train.ema_every=3")
     assert set(first.ema_eval_losses) == {2} and set(resumed.ema_eval_losses) == {3}
     for summary, step in ((first, 2), (resumed, 3)):
         assert np.isfinite(summary.ema_eval_losses[step])
@@ -98,33 +162,35 @@ def test_training_with_ema_evaluates_and_resumes(tmp_path):
         assert summary.ema_eval_losses[step] != summary.eval_losses[step]
 
 
-def test_trainer_blends_the_ema_only_on_due_steps(tmp_path, monkeypatch):
-    """``train.ema_every=2`` over 5 steps: blends after steps 2 and 4, and nowhere else."""
+def test_trainer_sends_one_group_a_step(tmp_path, monkeypatch):
+    """``train.ema_every=2`` over 5 steps: the trainer hands every step to the EMA, which
+    blends groups 0, 1, 0, 1, 0; the log names the largest group's bytes."""
     from moejax.train.loop import Trainer  # needs grain, which the GPU image lacks
     from moejax.train.step import state_initializer
 
-    blends = []
-    update = HostEMA.update
-    monkeypatch.setattr(HostEMA, "update", lambda *args: blends.append(1) or update(*args))
+    blended = []
+    blend = HostEMA._blend
+    monkeypatch.setattr(HostEMA, "_blend", lambda self, group, *rest: blended.append(
+        self.groups.index(group)) or blend(self, group, *rest))
     cfg = apply_overrides(get_experiment_preset("tiny"), [
         "model.num_hidden_layers=2", "train.seq_len=16", "train.batch_size=4",
         "train.warmup_steps=1", "train.steps=5", "train.eval_every=0", "train.ema_decay=0.5",
         "train.ema_every=2"])
     logged = []
     Trainer(cfg, tmp_path, resume=False, log=logged.append).run()
-    assert len(blends) == 2
-    # the run names what an update moves: the whole FP32 parameter set on one device
-    _, init = state_initializer(cfg)
-    copy = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-        jax.eval_shape(init, jnp.uint32(0)).params))
-    assert (f"host EMA: each update moves {copy / 1e6:,.1f} MB per device each way"
-            in "\n".join(logged)), logged
+    assert blended == [0, 1, 0, 1, 0]
+    abstract = jax.eval_shape(state_initializer(cfg)[1], jnp.uint32(0)).params
+    device = NamedSharding(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]), P())
+    largest = largest_snapshot_bytes(abstract, jax.tree.map(lambda _: device, abstract), 2)
+    assert (f"host EMA: the parameters in 2 group(s); each step copies one (at most "
+            f"{largest / 1e6:,.1f} MB per device)" in "\n".join(logged)), logged
 
 
 @pytest.mark.gpu
-def test_gpu_ema_adds_no_parameter_copy_to_device_memory():
-    """`small` on one GPU: steps without the EMA, then with it; device memory (between steps
-    and at peak) must not grow by anything near a parameter copy. Prints the numbers."""
+def test_gpu_ema_adds_only_its_snapshot_to_device_memory():
+    """`small` on one GPU: steps without the EMA, then with it (8 groups); device memory
+    (between steps and at peak) may grow by the largest snapshot group, never by anything
+    near a parameter copy. Prints step times and memory."""
     import statistics
     import time
 
@@ -139,28 +205,33 @@ def test_gpu_ema_adds_no_parameter_copy_to_device_memory():
     tokens = jax.random.randint(jax.random.key(0), (4, cfg.train.seq_len + 1), 0, 256)
     shardings = jax.tree.map(lambda x: x.sharding, state.params)
 
-    def run(steps, ema=None, ema_state=None):
+    def run(steps, ema=None):
         nonlocal state
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
+        start = time.perf_counter()
+        for t in range(1, steps + 1):
             state, metrics = step(state, tokens)
             if ema:
-                ema_state = ema.update(ema_state, state.params, metrics["finite"])
-            jax.block_until_ready((metrics, ema_state))
-            times.append(time.perf_counter() - start)
+                ema.update(t, state.params, metrics["finite"])
+        jax.block_until_ready(metrics)
+        seconds = (time.perf_counter() - start) / steps
+        if ema:
+            ema.wait()  # the last group's device copy is freed once it reached the host
         stats = device.memory_stats()
-        return statistics.median(times[1:]), stats["bytes_in_use"], stats["peak_bytes_in_use"]
+        return seconds, stats["bytes_in_use"], stats["peak_bytes_in_use"]
 
     run(2)  # compile
-    plain = run(6)
-    ema = HostEMA(0.999, shardings)
-    with_ema = run(6, ema, ema.init(state.params))
-    print(f"\nparams {param_bytes / 2**30:.2f} GiB; EMA on host: {ema.on_host}\n"
+    plain = run(16)
+    with HostEMA(0.999, shardings, 8) as ema:
+        ema.start(state.params)
+        run(2, ema)  # compile the snapshot programs
+        with_ema = run(16, ema)
+    snapshot = largest_snapshot_bytes(state.params, shardings, 8)
+    print(f"\nparams {param_bytes / 2**30:.2f} GiB; largest snapshot group "
+          f"{snapshot / 2**30:.2f} GiB\n"
           f"without EMA: step {plain[0] * 1e3:.1f} ms, in use {plain[1] / 2**30:.2f} GiB, "
           f"peak {plain[2] / 2**30:.2f} GiB\n"
           f"with EMA:    step {with_ema[0] * 1e3:.1f} ms, in use {with_ema[1] / 2**30:.2f} GiB, "
           f"peak {with_ema[2] / 2**30:.2f} GiB")
-    assert ema.on_host
-    assert with_ema[1] - plain[1] < 0.1 * param_bytes
-    assert with_ema[2] - plain[2] < 0.1 * param_bytes
+    assert snapshot < 0.14 * param_bytes
+    assert with_ema[1] - plain[1] < 0.02 * param_bytes  # nothing stays on the device
+    assert with_ema[2] - plain[2] < snapshot + 0.02 * param_bytes

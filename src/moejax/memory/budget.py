@@ -24,8 +24,9 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
 - **gradient accumulator** (``train.microbatches`` = k > 1 without ``pipe``): the FP32 sum
   of the micro-batches' gradients, laid out like them, beside the micro-batch's own; the
   activation terms are one micro-batch's (``moejax.train.accumulate``).
-- **EMA**: a parameter copy in pinned host memory (``moejax.memory.ema``): 0 device bytes
-  where the backend has ``pinned_host``, else counted on the device.
+- **EMA**: a parameter copy in host RAM (``moejax.memory.ema``): 0 device bytes. Its
+  **snapshot** is on the device: each step copies one of ``train.ema_every`` parameter
+  groups out for the host, and that copy lives into the next step (the largest group).
 - **saved activations** (per micro-batch): what XLA keeps for the MoE layers' backward,
   measured (``depth_fit``): two reduced-depth copies of the step (the dense layers and 3 and
   4 MoE layers, or fewer in a shallower model; per-device micro-batch) are compiled alone
@@ -54,10 +55,11 @@ Terms (bytes per device; the worst device when the layers are split over ``pipe`
   ragged: the ``T * k`` sorted rows plus a worst-case receive buffer of ``ep * C`` rows.
 
 XLA's peak is ``arguments + temp`` (outputs alias the donated state), i.e. parameters +
-optimizer state (+ EMA on device) + temp, and temp = gradients + saved activations +
-workspace (+ gathered layer + exchange buffers on a mesh). Single-device estimates are
-checked against ``compiled.memory_analysis()`` of the real step (``tests/test_budget.py``,
-``python -m moejax.budget --validate``).
+optimizer state + temp, and temp = gradients + saved activations + workspace (+ gathered
+layer + exchange buffers on a mesh). Single-device estimates are checked against
+``compiled.memory_analysis()`` of the real step (``tests/test_budget.py``,
+``python -m moejax.budget --validate``); the EMA snapshot is outside the step program, so
+that check runs without an EMA.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from moejax.config import ConfigError
-from moejax.memory.ema import has_host_memory
+from moejax.memory.ema import largest_snapshot_bytes
 from moejax.model.moe import experts_on_rows
 from moejax.parallel.expert import expert_parallel_options, make_transport
 from moejax.parallel.mesh import AXES, MeshSpec, build_mesh
@@ -414,7 +416,6 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
                               f"expert x train.microbatches = {batch_shards}, or pass a "
                               "micro-batch")
         micro_batch = tc.batch_size // batch_shards
-    ema_on_host = has_host_memory(jax.devices()[0])
     transport = cfg.expert_parallel.resolved_transport()
 
     _, init = state_initializer(cfg, mesh.pipe)
@@ -424,6 +425,8 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
     params = per_device_bytes(abstract.params, shardings.params)
     biases = per_device_bytes(abstract.biases, shardings.biases)
     optimizer = per_device_bytes(abstract.opt_state, shardings.opt_state)
+    snapshot = (largest_snapshot_bytes(abstract.params, shardings.params, tc.ema_every)
+                if tc.ema_decay else 0)
     pipeline = (pipeline_terms(cfg, mesh, abstract.params, micro_batch) if mesh.pipe > 1
                 else PipelineTerms(0, 1.0, 0))
     expert_rows = expert_side_rows(cfg, mesh, micro_batch, transport)
@@ -446,9 +449,11 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
         Term("optimizer state", optimizer, f"AdamW moments in {tc.moments_dtype}, sharded "
                                            "over data"),
         Term("EMA", params if tc.ema_decay else 0,
-             ("off" if not tc.ema_decay else "pinned host memory" if ema_on_host
-              else "no pinned_host memory kind here: kept on the device"),
-             on_device=not ema_on_host),
+             "host RAM, blended by a host thread" if tc.ema_decay else "off",
+             on_device=False),
+        Term("EMA snapshot", snapshot,
+             f"the largest of {tc.ema_every} parameter groups, copied out for the host "
+             "while the next step runs" if snapshot else "n/a (no EMA)"),
         Term("pipeline stage rows held", pipeline.held,
              "gathered stage rows and their gradients, busiest rank" if pipeline.held
              else "n/a (pipe=1)"),

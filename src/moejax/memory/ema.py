@@ -1,39 +1,63 @@
-"""Exponential moving average of the weights, kept in host memory.
+"""Exponential moving average of the weights, kept and blended in host memory while the
+device trains.
 
 ``ema_t = decay * ema_{t-1} + (1 - decay) * params_t``, starting from ``ema_0 = params_0``
-(DeepSeek-V3 keeps such an EMA in CPU memory to estimate the model after learning-rate
-decay without a second training run).
+(DeepSeek-V3 keeps such an EMA in CPU memory, updated asynchronously after each step, to
+estimate the model after learning-rate decay without a second training run).
 
-Where it lives: every EMA array has its parameter's own ``NamedSharding`` (same mesh, same
-ZeRO split) with ``memory_kind="pinned_host"``, so each device's shard sits in the pinned
-RAM of that device's host and device memory holds no persistent copy. A backend whose
-devices expose no ``pinned_host`` memory (``device.addressable_memories()``) gets the EMA in
-device memory instead, and :attr:`HostEMA.on_host` says so (the memory budget then counts
-it on the device). XLA:CPU exposes ``pinned_host``; there it is the same RAM as "device"
-memory, so the placement is exercised but saves nothing.
+Why it works this way. A blend on the device (the EMA brought over, blended, sent back)
+moves two parameter copies over the host link on the device's own queue: on an H100 that
+was 269 ms for `small`'s 6.83 GiB, longer than a step (docs/memory.md). Here the device only
+copies parameters out, and a transfer to pinned host memory runs on the GPU's copy engine
+under the next step's compute (a 243 ms synthetic step ran 243 ms with 1.9 GB leaving under
+it each step, at 52 GB/s: docs/performance.md, Host EMA, session 57). The blend runs on the
+host.
 
-What an update costs: :meth:`HostEMA.update` is one jitted program, dispatched right after
-the train step without the host waiting on either. Inside it, each host shard is brought to
-the device, blended with the new parameters, and written back to host memory; the
-``finite`` flag of the step makes a skipped (non-finite) step leave the EMA unchanged in the
-graph, so the host never reads a value to decide. The program's device buffers are
-transient (freed when it ends) and smaller than the train step's own transients (its
-gradients alone are a parameter copy), so peak device memory does not grow. Its time is
-the host link's: two parameter copies per update on the device's queue, between steps (on
-an H100, ``small``'s 6.83 GiB of FP32 parameters took 269 ms an update, 54.6 GB/s, against a
-61 ms step at batch 4). Where that is more than a small share of a step, ``every`` spreads
-it: the EMA blends on every ``every``-th step with ``decay**every``, the same half-life in
-steps, sampling the weights' trajectory instead of reading each step's.
+- The parameters are cut into ``every`` byte-balanced groups (``snapshot_groups``): whole
+  leaves, and a stacked leaf's rows along axis 0 where that axis is not sharded. Step t
+  snapshots group ``(t - 1) % every`` with a device copy (the copy is the only device
+  memory the EMA takes, a ``1/every`` share of the parameters, freed once it reached the
+  host; the train step donates the parameters, so they cannot be read in place) and
+  ``jax.device_put`` sends it to ``pinned_host`` memory.
+- A host thread blends the group into the EMA, one numpy array per distinct shard of each
+  piece, with ``decay**every``: each weight blends once every ``every`` steps with the same
+  half-life in steps as a blend on every step. A step whose ``finite`` flag is False leaves
+  its group unchanged.
+- ``update`` waits for the previous group's copy to reach the host (it left under the
+  step dispatched since), so one copy at a time is on the device, and while two groups
+  wait for the thread: where the host blends slower than the device steps, the step time
+  shows it. The host blends about 14 GB/s (16 threads on the H100 machine), so a full
+  pass over `small`'s 7.3 GB takes about 0.5 s of host time: with 8 groups that hides
+  under a batch-64 step (407 vs 406 ms) and not under a batch-4 one (68 vs 50 ms).
+- Before the EMA is read (a checkpoint, an evaluation) ``arrays`` waits for the thread and
+  assembles global arrays with the sharding asked for (by default the parameters' own in
+  ``pinned_host`` memory, which the Orbax checkpoint saves and restores).
+
+A backend without ``pinned_host`` memory (see ``has_host_memory``) gets the same EMA in host
+RAM; the thread then reads each snapshot from the device itself, a slower, pageable copy,
+and up to three groups' copies wait on the device meanwhile.
+XLA:CPU exposes ``pinned_host`` in the same RAM, so there the placement is exercised and
+saves nothing.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import math
+import os
+import queue
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 HOST_MEMORY = "pinned_host"
+# Elements a host thread blends at a time: 2^20 was the fastest of 2^16-2^22 on the H100
+# machine's 16 cores (docs/performance.md, Host EMA, session 57).
+BLEND_SLICE = 1 << 20
 
 
 def has_host_memory(device: jax.Device) -> bool:
@@ -41,48 +65,252 @@ def has_host_memory(device: jax.Device) -> bool:
     return any(m.kind == HOST_MEMORY for m in device.addressable_memories())
 
 
+def host_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """``sharding`` in pinned host memory where all of its devices have it, else itself."""
+    if all(has_host_memory(d) for d in sharding.device_set):
+        return sharding.with_memory_kind(HOST_MEMORY)
+    return sharding
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Piece:
+    """Part of a parameter leaf one snapshot copies: ``rows`` [start, stop) along axis 0
+    of a stacked leaf, or None for the whole leaf."""
+
+    leaf: int
+    rows: tuple[int, int] | None = None
+
+    def shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.rows is None:
+            return tuple(leaf_shape)
+        return (self.rows[1] - self.rows[0], *leaf_shape[1:])
+
+
+def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def snapshot_groups(abstract_params: Any, shardings: Any, every: int) -> list[list[Piece]]:
+    """The parameter leaves (flattened order) cut into ``every`` groups of near-equal bytes
+    per device.
+
+    A leaf larger than half a group's share is cut into row ranges along axis 0 where that
+    axis is not sharded (the stacked layers' and experts' weights), so the largest group
+    stays near ``1/every`` of the parameters (`small` at 8: 0.13 of its 6.83 GiB). Groups
+    are filled largest piece first, each into the lightest group so far.
+    """
+    leaves = jax.tree.leaves(abstract_params)
+    sharding_leaves = jax.tree.leaves(shardings)
+    sizes = [_nbytes(s.shard_shape(x.shape), x.dtype)  # per device: what a device holds
+             for x, s in zip(leaves, sharding_leaves, strict=True)]
+    target = max(1, sum(sizes) // (2 * every)) if every > 1 else sum(sizes) + 1  # 1: no cuts
+    pieces: list[tuple[int, Piece]] = []
+    for i, (leaf, sharding, size) in enumerate(zip(leaves, sharding_leaves, sizes)):
+        rows = leaf.shape[0] if leaf.shape else 1
+        splittable = bool(leaf.shape) and sharding.shard_shape(leaf.shape)[0] == rows
+        parts = min(rows, -(-size // target)) if splittable else 1
+        if parts <= 1:
+            pieces.append((size, Piece(i)))
+            continue
+        bounds = [round(k * rows / parts) for k in range(parts + 1)]
+        for start, stop in zip(bounds, bounds[1:]):
+            pieces.append((size * (stop - start) // rows, Piece(i, (start, stop))))
+    groups: list[list[Piece]] = [[] for _ in range(every)]
+    loads = [0] * every
+    for size, piece in sorted(pieces, key=lambda sp: (-sp[0], sp[1])):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(piece)
+        loads[lightest] += size
+    return [sorted(g) for g in groups]
+
+
+def largest_snapshot_bytes(abstract_params: Any, shardings: Any, every: int) -> int:
+    """Per-device bytes of the largest snapshot group: the device memory an EMA update
+    holds while its copy leaves for the host (the memory budget's term)."""
+    leaves = jax.tree.leaves(abstract_params)
+    sharding_leaves = jax.tree.leaves(shardings)
+    return max(sum(_nbytes(sharding_leaves[p.leaf].shard_shape(p.shape(leaves[p.leaf].shape)),
+                           leaves[p.leaf].dtype) for p in group)
+               for group in snapshot_groups(abstract_params, shardings, every))
+
+
+def _rows(x: Any, piece: Piece) -> Any:
+    """The piece's rows of its leaf ``x`` (a numpy or jax array)."""
+    return x[piece.rows[0]:piece.rows[1]] if piece.rows else x
+
+
+def _shard_key(index: tuple[slice, ...], shape: tuple[int, ...], piece: Piece) -> tuple:
+    """A hashable key for the shard at ``index`` of an array of ``shape`` (a piece's, or its
+    whole leaf's); a row piece drops axis 0, which such a piece never shards."""
+    bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+    return bounds[1:] if piece.rows is not None else bounds
+
+
+def _blend_into(ema: np.ndarray, params: np.ndarray, decay: float,
+                pool: concurrent.futures.Executor) -> None:
+    """``ema <- decay * ema + (1 - decay) * params`` in place, as
+    ``(ema - params) * decay + params`` (no temporary), in slices over the pool's threads."""
+    e, p = ema.reshape(-1), np.asarray(params, ema.dtype).reshape(-1)
+    d = np.asarray(decay, ema.dtype)
+
+    def blend(lo: int) -> None:
+        s = slice(lo, lo + BLEND_SLICE)
+        np.subtract(e[s], p[s], out=e[s])
+        np.multiply(e[s], d, out=e[s])
+        np.add(e[s], p[s], out=e[s])
+
+    list(pool.map(blend, range(0, e.size, BLEND_SLICE)))
+
+
 class HostEMA:
-    """The EMA's placement and its two jitted programs (``init``, ``update``)."""
+    """The EMA in host memory and the thread that blends into it.
+
+    It holds state on purpose: the EMA is a host-side accumulator that a thread updates
+    while the device trains. Use it as a context manager, or call ``close``.
+    """
 
     def __init__(self, decay: float, param_shardings: Any, every: int = 1):
         """``param_shardings``: the tree of device ``NamedSharding``s of the parameters;
-        ``every``: blend on the steps that are multiples of it, with ``decay**every``."""
+        ``every``: the number of snapshot groups, i.e. the steps between two blends of a
+        weight, each with ``decay**every``."""
         if not 0 < decay < 1:
             raise ValueError(f"EMA decay {decay!r}: must be in (0, 1)")
         if every < 1:
             raise ValueError(f"EMA every={every!r}: must be a positive number of steps")
-        self.blend_decay = decay ** every  # what one blend keeps of the EMA
+        self.blend_decay = decay ** every  # what one blend keeps of a group's EMA
         self.every = every
-        leaves = jax.tree.leaves(param_shardings)
-        self.on_host = all(has_host_memory(d) for s in leaves for d in s.device_set)
-        self.device_shardings = param_shardings
-        self.shardings = (jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY),
-                                       param_shardings) if self.on_host else param_shardings)
-        self._init = jax.jit(lambda params: params, out_shardings=self.shardings)
-        self._update = jax.jit(self._blend, out_shardings=self.shardings, donate_argnums=0)
+        self.shardings = param_shardings
+        self._sharding_leaves = jax.tree.leaves(param_shardings)
+        self._treedef = jax.tree.structure(param_shardings)
+        self.groups: list[list[Piece]] = []
+        self._leaf_shapes: list[tuple[int, ...]] = []
+        self._host: dict[Piece, dict[tuple, np.ndarray]] = {}
+        self._snapshots: list[Any] = []
+        self._leaving: list[jax.Array] = []  # the last group's copies on their way to the host
+        self._pool = concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1))
+        self._jobs: queue.Queue = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="host-ema", daemon=True)
+        self._thread.start()
 
-    def due(self, step: int) -> bool:
-        """Whether ``step`` (1-based, as the trainer counts) blends into the EMA."""
-        return step % self.every == 0
+    def __enter__(self) -> HostEMA:
+        return self
 
-    def init(self, params: Any) -> Any:
-        """``ema_0 = params_0``: a copy of the parameters in the EMA's memory."""
-        return self._init(params)
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
-    def update(self, ema: Any, params: Any, finite: jax.Array | bool = True) -> Any:
-        """One step of the recurrence (donates ``ema``); unchanged where ``finite`` is False."""
-        return self._update(ema, params, jnp.asarray(finite, jnp.bool_))
+    def start(self, params: Any) -> None:
+        """``ema_0 = params_0``: a host copy of the parameters."""
+        self.load(jax.device_put(params, jax.tree.map(host_sharding, self.shardings)))
 
-    def _blend(self, ema: Any, params: Any, finite: jax.Array) -> Any:
-        decay = self.blend_decay
+    def load(self, arrays: Any) -> None:
+        """Takes the EMA from global arrays of the parameters' shapes (a checkpoint's)."""
+        self.wait()
+        leaves = jax.tree.leaves(arrays)
+        self._leaf_shapes = [x.shape for x in leaves]
+        self.groups = snapshot_groups(arrays, self.shardings, self.every)
+        self._host = {}
+        for piece in (p for g in self.groups for p in g):
+            leaf = leaves[piece.leaf]
+            blocks = self._host[piece] = {}
+            for shard in leaf.addressable_shards:
+                key = _shard_key(shard.index, leaf.shape, piece)
+                if key not in blocks:
+                    blocks[key] = np.array(_rows(np.asarray(shard.data), piece))
+        self._snapshots = [self._snapshot_program(g) for g in self.groups]
 
-        def one(e: jax.Array, p: jax.Array, sharding: Any) -> jax.Array:
-            e = jax.device_put(e, sharding)  # host shard -> device, inside the program
-            return jnp.where(finite, decay * e + (1 - decay) * p.astype(e.dtype), e)
+    def update(self, step: int, params: Any, finite: jax.Array | bool = True) -> None:
+        """After train step ``step`` (1-based): sends its group to the host and queues the
+        blend. Waits for the previous group's copy to reach the host, and while two groups
+        wait for the blending thread."""
+        self._raise_error()
+        if not self.groups:
+            raise RuntimeError("host EMA: update() before start() or load()")
+        group = self.groups[(step - 1) % self.every]
+        if not group:
+            return
+        # The last group's device copy is freed once it reached the host: waiting for that
+        # here (it left under the step dispatched before this call) keeps one copy at a time
+        # on the device, where a host running steps ahead would otherwise pile them up.
+        jax.block_until_ready(self._leaving)
+        leaves = jax.tree.leaves(params)
+        used = sorted({p.leaf for p in group})
+        copies = self._snapshots[(step - 1) % self.every]([leaves[i] for i in used])
+        copies = jax.device_put(copies, [host_sharding(self._sharding_leaves[p.leaf])
+                                         for p in group])
+        self._leaving = copies
+        self._jobs.put((group, copies, finite))
 
-        return jax.tree.map(one, ema, params, self.device_shardings)
+    def wait(self) -> None:
+        """Returns once every queued blend is done; raises if one failed."""
+        self._jobs.join()
+        self._raise_error()
+
+    def arrays(self, shardings: Any = None) -> Any:
+        """The EMA as global arrays laid out by ``shardings`` (default: the parameters' own
+        in pinned host memory, as a checkpoint keeps them)."""
+        self.wait()
+        shardings = shardings or jax.tree.map(host_sharding, self.shardings)
+        leaves = [jax.make_array_from_callback(shape, sharding,
+                                               lambda index, i=i: self._leaf_block(i, index))
+                  for i, (shape, sharding) in enumerate(zip(self._leaf_shapes,
+                                                            jax.tree.leaves(shardings)))]
+        return jax.tree.unflatten(self._treedef, leaves)
 
     def abstract(self, abstract_params: Any) -> Any:
-        """ShapeDtypeStructs with the EMA's shardings (an Orbax restore target)."""
-        return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+        """ShapeDtypeStructs as ``arrays()`` lays them out (an Orbax restore target)."""
+        return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype,
+                                                              sharding=host_sharding(s)),
                             abstract_params, self.shardings)
+
+    def close(self) -> None:
+        """Finishes the queued blends and stops the thread (idempotent)."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        self._pool.shutdown()
+
+    def _snapshot_program(self, group: list[Piece]) -> Any:
+        """A jitted copy of the group's pieces, each laid out like its leaf."""
+        used = sorted({p.leaf for p in group})
+
+        def copy(leaves: list[jax.Array]) -> list[jax.Array]:
+            by_leaf = dict(zip(used, leaves))
+            return [jnp.copy(_rows(by_leaf[p.leaf], p)) for p in group]
+
+        return jax.jit(copy, out_shardings=[self._sharding_leaves[p.leaf] for p in group])
+
+    def _leaf_block(self, leaf: int, index: tuple[slice, ...]) -> np.ndarray:
+        """The EMA of leaf ``leaf`` at a device's shard ``index``, from its pieces."""
+        shape = self._leaf_shapes[leaf]
+        pieces = sorted(p for p in self._host if p.leaf == leaf)
+        blocks = [self._host[p][_shard_key(index, shape, p)] for p in pieces]
+        return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=0)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if self._error is None:
+                    self._blend(*job)
+            except BaseException as error:  # noqa: BLE001 - surfaced by wait/update
+                self._error = error
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+    def _blend(self, group: list[Piece], copies: list[jax.Array], finite: Any) -> None:
+        if not bool(finite):  # waits for the step; a skipped step leaves the EMA as it is
+            return
+        for piece, copy in zip(group, copies):
+            blocks = self._host[piece]
+            done = set()
+            for shard in copy.addressable_shards:
+                key = _shard_key(shard.index, copy.shape, piece)
+                if key not in done:
+                    done.add(key)
+                    _blend_into(blocks[key], np.asarray(shard.data), self.blend_decay,
+                                self._pool)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("host EMA: a blend failed on the host thread") from self._error

@@ -78,9 +78,11 @@ class TrainConfig:
     # a longer compile; on pipe=2 stages 0.91x-0.94x) | auto (unrolled on a GPU, else scan)
     layer_loop: str = "auto"
     ema_decay: float | None = None  # host-memory EMA of the weights (moejax.memory.ema)
-    # blend the EMA on every k-th step with ema_decay**k: each blend moves two parameter
-    # copies over the host link, which can take longer than a step (moejax.memory.ema)
-    ema_every: int = 1
+    # k: the parameters form k groups and each step sends one to the host, where a thread
+    # blends it with ema_decay**k, so each weight blends every k steps. The device holds a
+    # k-th of the parameters while it leaves; 8 keeps `small` at 0.13 of a copy and its
+    # host blend under a batch-4 step (moejax.memory.ema)
+    ema_every: int = 8
     pipeline_schedule: str = "1f1b"  # --mesh pipe=P > 1: gpipe | 1f1b | dualpipe | dualpipev
     # micro-batches a step's batch runs as: the pipeline's with pipe=P > 1 (None: 2P); else
     # gradient accumulation over that many (None: 1, the batch in one pass)

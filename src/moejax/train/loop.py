@@ -23,8 +23,8 @@ from moejax.config import ConfigError
 from moejax.data.corpus import resolve_data_dir
 from moejax.data.pipeline import LoaderSpec, make_dataset
 from moejax.data.shards import read_info, unigram_entropy
-from moejax.memory.budget import GIB, check_fits, per_device_bytes
-from moejax.memory.ema import HostEMA
+from moejax.memory.budget import GIB, check_fits
+from moejax.memory.ema import HostEMA, largest_snapshot_bytes
 from moejax.parallel.expert import expert_parallel_options
 from moejax.parallel.mesh import build_mesh
 from moejax.parallel.sharding import batch_sharding
@@ -209,12 +209,12 @@ class Trainer:
         abstract = jax.eval_shape(init, jnp.uint32(tc.seed))
         state_sh = train_state_shardings(abstract, self.mesh, make_optimizer(tc), tc.zero_stage)
         ema = HostEMA(tc.ema_decay, state_sh.params, tc.ema_every) if tc.ema_decay else None
-        ema_state = None
-        if ema and ema.on_host:
-            copy = per_device_bytes(abstract.params, state_sh.params)
-            self.log(f"host EMA: each update moves {copy / 1e6:,.1f} MB per device each way "
-                     f"over the host link, on the device's queue, every {ema.every} step(s) "
-                     "(train.ema_every; docs/memory.md)")
+        if ema:
+            snapshot = largest_snapshot_bytes(abstract.params, state_sh.params, ema.every)
+            self.log(f"host EMA: the parameters in {ema.every} group(s); each step copies one "
+                     f"(at most {snapshot / 1e6:,.1f} MB per device) to host memory while the "
+                     f"next step runs, and a host thread blends it (train.ema_every; "
+                     "docs/memory.md)")
         batch_sh = batch_sharding(self.mesh)
         self.log(f"mesh {cfg.mesh} over {self.mesh.size} device(s) in {jax.process_count()} "
                  f"process(es); ZeRO-{tc.zero_stage}; expert transport "
@@ -225,14 +225,18 @@ class Trainer:
         train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))
         if self.resume_step is None:
             state = jax.jit(init, out_shardings=state_sh)(jnp.uint32(tc.seed))
-            ema_state = ema.init(state.params) if ema else None
+            if ema:
+                ema.start(state.params)
             self.log(f"fresh start in {self.run_dir} (seed {tc.seed})")
         else:
             target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                                      sharding=sh),
                                   abstract, state_sh)
-            state, data_state, ema_state = self.ckpt.restore(
+            state, data_state, ema_arrays = self.ckpt.restore(
                 self.resume_step, target, ema.abstract(abstract.params) if ema else None)
+            if ema:
+                ema.load(ema_arrays)
+                del ema_arrays
             train_iter.set_state(data_state)
             self.log(f"resumed {self.run_dir} from step {self.resume_step}")
             change = self.recorded and schedule_change(self.recorded["train"], tc,
@@ -265,8 +269,8 @@ class Trainer:
                 state, metrics = train_step(state, batch, halt)
                 if tc.nonfinite == "stop":  # a non-finite step halts every later one
                     halt = ~metrics["finite"]
-                if ema and ema.due(step):  # dispatched before the host waits on the step
-                    ema_state = ema.update(ema_state, state.params, metrics["finite"])
+                if ema:  # dispatched before the host waits on the step
+                    ema.update(step, state.params, metrics["finite"])
                 # The host reads a step's metrics while the device runs the next one, and
                 # waits on a step at once only where it needs that step's state.
                 finished = [pending] if pending else []
@@ -280,7 +284,7 @@ class Trainer:
                     if not metrics["finite"]:
                         # Stop: the state is still the bad step's (every later step halted).
                         self._nonfinite(done.step, state, done.data_state, record,
-                                        metrics_log, ema_state)
+                                        metrics_log, ema)
                         continue
                     if done.step > first + 1 and done.step not in self.traced:
                         step_times.append(step_time)
@@ -292,7 +296,7 @@ class Trainer:
                         record["eval_loss"] = evals[step] = self._evaluate(
                             eval_step, state, batch_sh)
                         if ema:  # the EMA visits the device only for the eval's duration
-                            ema_params = jax.device_put(ema_state, state_sh.params)
+                            ema_params = ema.arrays(state_sh.params)
                             record["ema_eval_loss"] = ema_evals[step] = self._evaluate(
                                 eval_step, state._replace(params=ema_params), batch_sh)
                             del ema_params
@@ -305,7 +309,8 @@ class Trainer:
                             else "") + (f" (EMA {record['ema_eval_loss']:.4f})"
                                         if "ema_eval_loss" in record else ""))
                     if current and self._saves(step):
-                        self.ckpt.save(step, state, train_iter.get_state(), ema_state)
+                        self.ckpt.save(step, state, train_iter.get_state(),
+                                       ema.arrays() if ema else None)
                 if self.traced and step == self.traced[-1]:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
@@ -314,6 +319,8 @@ class Trainer:
         finally:
             metrics_log.close()
             self.ckpt.close()
+            if ema:
+                ema.close()
         median = statistics.median(step_times) if step_times else None
         tps = tc.tokens_per_step / median if median else None
         summary = Summary(first, int(state.step), losses, evals, entropy,
@@ -359,7 +366,7 @@ class Trainer:
             self.log(line)
 
     def _nonfinite(self, step: int, state: TrainState, data_state: dict, record: dict,
-                   metrics_log: MetricsLog, ema_state: Any = None) -> None:
+                   metrics_log: MetricsLog, ema: HostEMA | None = None) -> None:
         """Skips the batch, or saves the last good state (unchanged by the step) and stops."""
         metrics_log.write(record)
         if self.cfg.train.nonfinite == "skip":
@@ -368,7 +375,7 @@ class Trainer:
         good = step - 1
         if self.ckpt.latest_step() != good:
             self.ckpt.save(good, state._replace(step=jnp.full_like(state.step, good)),
-                           data_state, ema_state)
+                           data_state, ema.arrays() if ema else None)
         raise TrainingError(
             f"non-finite loss at step {step} (loss {record['total_loss']}, grad norm "
             f"{record['grad_norm']}); the last good state (step {good}) is checkpointed in "
