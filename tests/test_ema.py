@@ -1,5 +1,7 @@
-"""Host-memory EMA: the recurrence against its closed form, checkpoint restore into host
-memory, training with EMA eval and resume, and (GPU) no device-memory growth."""
+"""Host-memory EMA: the recurrence against its closed form per snapshot group, the groups'
+cover and balance, errors from the blending thread, checkpoint restore into host memory,
+training with EMA eval and resume onto another mesh, and (GPU) device memory growing by
+one group's copy at most."""
 
 import dataclasses
 
@@ -27,7 +29,7 @@ def _params_and_shardings(rng, mesh):
     shardings = {"w": NamedSharding(mesh, P("data", None)), "b": NamedSharding(mesh, P()),
                  "stack": NamedSharding(mesh, P(None, None, "data")),
                  "scale": NamedSharding(mesh, P())}
-    shapes = {"w": (4, 3), "b": (5,), "stack": (6, 2, 4), "scale": ()}
+    shapes = {"w": (8, 3), "b": (5,), "stack": (6, 2, 4), "scale": ()}
     draw = lambda: {k: rng.standard_normal(v) for k, v in shapes.items()}  # noqa: E731
     put = lambda p: jax.tree.map(  # noqa: E731
         lambda x, s: jax.device_put(jnp.asarray(x, jnp.float32), s), p, shardings)
@@ -54,6 +56,8 @@ def test_ema_matches_closed_form_per_group_and_lives_in_host_memory(every):
     names = sorted(shardings)  # the flattened leaf order
     pieces = [p for g in groups for p in g]
     assert len(groups) == every and any(p.rows for p in pieces) == (every > 1)
+    # large enough to be cut, but its axis 0 is sharded: a row piece would cut shards
+    assert all(p.rows is None for p in pieces if names[p.leaf] == "w")
     d = decay ** every
     for g, group in enumerate(groups):
         # Closed form over the steps that blended this group:
@@ -114,6 +118,26 @@ def test_a_failed_blend_is_raised_on_the_training_thread(monkeypatch):
 def test_ema_settings_are_validated(override):
     with pytest.raises(ValueError, match=override):
         apply_overrides(get_experiment_preset("tiny"), [override])
+
+
+def test_arrays_are_copies_and_a_closed_ema_refuses_updates():
+    draw, put, shardings = _params_and_shardings(np.random.default_rng(), _data_mesh())
+    ema = HostEMA(0.5, shardings, 2)
+    with pytest.raises(RuntimeError, match="before start"):
+        ema.update(1, put(draw()))
+    with ema:
+        ema.start(put(draw()))
+        before = ema.arrays(shardings)  # XLA:CPU may alias host buffers in device memory
+        kept = {name: np.array(x) for name, x in before.items()}
+        ema.update(1, put(draw()))
+        ema.update(2, put(draw()))
+        after = ema.arrays()
+    for name in shardings:  # both groups blended since, and `before` did not follow
+        np.testing.assert_array_equal(np.asarray(before[name]), kept[name])
+        assert not np.array_equal(np.asarray(after[name]), kept[name])
+    ema.close()  # again: a no-op
+    with pytest.raises(RuntimeError, match="after close"):
+        ema.update(3, put(draw()))
 
 
 def test_checkpoint_restores_the_ema_into_host_memory(tmp_path):

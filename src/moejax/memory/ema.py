@@ -35,7 +35,9 @@ host.
 
 A backend without ``pinned_host`` memory (see ``has_host_memory``) gets the same EMA in host
 RAM; the thread then reads each snapshot from the device itself, a slower, pageable copy,
-and up to three groups' copies wait on the device meanwhile.
+and up to four groups' copies wait on the device meanwhile (the budget counts one). A
+parameter replicated over several local devices is copied out by each of them (each over
+its own link) and blended once.
 XLA:CPU exposes ``pinned_host`` in the same RAM, so there the placement is exercised and
 saves nothing.
 """
@@ -81,6 +83,7 @@ class Piece:
     rows: tuple[int, int] | None = None
 
     def shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this piece of a leaf of ``leaf_shape``."""
         if self.rows is None:
             return tuple(leaf_shape)
         return (self.rows[1] - self.rows[0], *leaf_shape[1:])
@@ -162,14 +165,26 @@ def _blend_into(ema: np.ndarray, params: np.ndarray, decay: float,
     list(pool.map(blend, range(0, e.size, BLEND_SLICE)))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """One snapshot group: its pieces, the leaves they come from, where the copies go, and
+    the jitted device copy."""
+
+    pieces: list[Piece]
+    leaves: list[int]  # sorted leaf indices the copy reads
+    to_host: list[jax.sharding.Sharding]  # per piece
+    copy: Any  # jitted: the leaves' arrays -> one array per piece, laid out like its leaf
+
+
 class HostEMA:
     """The EMA in host memory and the thread that blends into it.
 
     It holds state on purpose: the EMA is a host-side accumulator that a thread updates
-    while the device trains. Use it as a context manager, or call ``close``.
+    while the device trains. Use it as a context manager, or call ``close``. A failed blend
+    is raised by the next ``update``, ``wait`` or ``arrays``.
     """
 
-    def __init__(self, decay: float, param_shardings: Any, every: int = 1):
+    def __init__(self, decay: float, param_shardings: Any, every: int = 1) -> None:
         """``param_shardings``: the tree of device ``NamedSharding``s of the parameters;
         ``every``: the number of snapshot groups, i.e. the steps between two blends of a
         weight, each with ``decay**every``."""
@@ -180,18 +195,20 @@ class HostEMA:
         self.blend_decay = decay ** every  # what one blend keeps of a group's EMA
         self.every = every
         self.shardings = param_shardings
+        self.host_shardings = jax.tree.map(host_sharding, param_shardings)
         self._sharding_leaves = jax.tree.leaves(param_shardings)
         self._treedef = jax.tree.structure(param_shardings)
-        self.groups: list[list[Piece]] = []
+        self._groups: list[_Group] = []
         self._leaf_shapes: list[tuple[int, ...]] = []
+        self._leaf_pieces: list[list[Piece]] = []  # per leaf, in row order
         self._host: dict[Piece, dict[tuple, np.ndarray]] = {}
-        self._snapshots: list[Any] = []
         self._leaving: list[jax.Array] = []  # the last group's copies on their way to the host
         self._pool = concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1))
-        self._jobs: queue.Queue = queue.Queue(maxsize=2)
+        self._jobs: queue.Queue[tuple | None] = queue.Queue(maxsize=2)
         self._error: BaseException | None = None
+        self._closed = False
+        # Started by the first update: a run that fails before training leaves no thread.
         self._thread = threading.Thread(target=self._work, name="host-ema", daemon=True)
-        self._thread.start()
 
     def __enter__(self) -> HostEMA:
         return self
@@ -199,47 +216,58 @@ class HostEMA:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def groups(self) -> list[list[Piece]]:
+        """The snapshot groups' pieces: step t sends group ``(t - 1) % every``."""
+        return [g.pieces for g in self._groups]
+
     def start(self, params: Any) -> None:
         """``ema_0 = params_0``: a host copy of the parameters."""
-        self.load(jax.device_put(params, jax.tree.map(host_sharding, self.shardings)))
+        self.load(params)
 
     def load(self, arrays: Any) -> None:
-        """Takes the EMA from global arrays of the parameters' shapes (a checkpoint's)."""
+        """Takes the EMA from global arrays of the parameters' shapes (a checkpoint's, or
+        the parameters themselves), whatever their layout."""
         self.wait()
-        leaves = jax.tree.leaves(arrays)
+        leaves = jax.tree.leaves(jax.device_put(arrays, self.host_shardings))
         self._leaf_shapes = [x.shape for x in leaves]
-        self.groups = snapshot_groups(arrays, self.shardings, self.every)
-        self._host = {}
-        for piece in (p for g in self.groups for p in g):
-            leaf = leaves[piece.leaf]
-            blocks = self._host[piece] = {}
+        self._groups = [self._group(pieces)
+                        for pieces in snapshot_groups(leaves, self._sharding_leaves, self.every)]
+        self._leaf_pieces = [[] for _ in leaves]
+        for piece in sorted(p for g in self._groups for p in g.pieces):
+            self._leaf_pieces[piece.leaf].append(piece)
+        self._host = {p: {} for g in self._groups for p in g.pieces}
+        for i, leaf in enumerate(leaves):
             for shard in leaf.addressable_shards:
-                key = _shard_key(shard.index, leaf.shape, piece)
-                if key not in blocks:
-                    blocks[key] = np.array(_rows(np.asarray(shard.data), piece))
-        self._snapshots = [self._snapshot_program(g) for g in self.groups]
+                data = None  # each distinct shard leaves the device once
+                for piece in self._leaf_pieces[i]:
+                    key = _shard_key(shard.index, leaf.shape, piece)
+                    if key not in self._host[piece]:
+                        data = np.asarray(shard.data) if data is None else data
+                        self._host[piece][key] = np.array(_rows(data, piece))
 
     def update(self, step: int, params: Any, finite: jax.Array | bool = True) -> None:
         """After train step ``step`` (1-based): sends its group to the host and queues the
         blend. Waits for the previous group's copy to reach the host, and while two groups
         wait for the blending thread."""
         self._raise_error()
-        if not self.groups:
+        if self._closed:
+            raise RuntimeError("host EMA: update() after close()")
+        if not self._groups:
             raise RuntimeError("host EMA: update() before start() or load()")
-        group = self.groups[(step - 1) % self.every]
-        if not group:
+        group = self._groups[(step - 1) % self.every]
+        if not group.pieces:
             return
         # The last group's device copy is freed once it reached the host: waiting for that
         # here (it left under the step dispatched before this call) keeps one copy at a time
         # on the device, where a host running steps ahead would otherwise pile them up.
         jax.block_until_ready(self._leaving)
         leaves = jax.tree.leaves(params)
-        used = sorted({p.leaf for p in group})
-        copies = self._snapshots[(step - 1) % self.every]([leaves[i] for i in used])
-        copies = jax.device_put(copies, [host_sharding(self._sharding_leaves[p.leaf])
-                                         for p in group])
+        copies = jax.device_put(group.copy([leaves[i] for i in group.leaves]), group.to_host)
         self._leaving = copies
-        self._jobs.put((group, copies, finite))
+        if not self._thread.is_alive():
+            self._thread.start()
+        self._jobs.put((group.pieces, copies, finite))
 
     def wait(self) -> None:
         """Returns once every queued blend is done; raises if one failed."""
@@ -248,46 +276,49 @@ class HostEMA:
 
     def arrays(self, shardings: Any = None) -> Any:
         """The EMA as global arrays laid out by ``shardings`` (default: the parameters' own
-        in pinned host memory, as a checkpoint keeps them)."""
+        in pinned host memory, as a checkpoint keeps them). They are copies: later blends
+        do not change them."""
         self.wait()
-        shardings = shardings or jax.tree.map(host_sharding, self.shardings)
         leaves = [jax.make_array_from_callback(shape, sharding,
                                                lambda index, i=i: self._leaf_block(i, index))
-                  for i, (shape, sharding) in enumerate(zip(self._leaf_shapes,
-                                                            jax.tree.leaves(shardings)))]
+                  for i, (shape, sharding) in enumerate(zip(
+                      self._leaf_shapes, jax.tree.leaves(shardings or self.host_shardings)))]
         return jax.tree.unflatten(self._treedef, leaves)
 
     def abstract(self, abstract_params: Any) -> Any:
         """ShapeDtypeStructs as ``arrays()`` lays them out (an Orbax restore target)."""
-        return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype,
-                                                              sharding=host_sharding(s)),
-                            abstract_params, self.shardings)
+        return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+                            abstract_params, self.host_shardings)
 
     def close(self) -> None:
-        """Finishes the queued blends and stops the thread (idempotent)."""
+        """Finishes the queued blends and stops the thread (idempotent; a failed blend is
+        not raised here, so closing never hides the error that ended a run)."""
+        self._closed = True
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
         self._pool.shutdown()
 
-    def _snapshot_program(self, group: list[Piece]) -> Any:
-        """A jitted copy of the group's pieces, each laid out like its leaf."""
-        used = sorted({p.leaf for p in group})
+    def _group(self, pieces: list[Piece]) -> _Group:
+        """A group's leaves, host shardings and jitted device copy."""
+        used = sorted({p.leaf for p in pieces})
 
         def copy(leaves: list[jax.Array]) -> list[jax.Array]:
             by_leaf = dict(zip(used, leaves))
-            return [jnp.copy(_rows(by_leaf[p.leaf], p)) for p in group]
+            return [jnp.copy(_rows(by_leaf[p.leaf], p)) for p in pieces]
 
-        return jax.jit(copy, out_shardings=[self._sharding_leaves[p.leaf] for p in group])
+        shardings = [self._sharding_leaves[p.leaf] for p in pieces]
+        return _Group(pieces, used, [host_sharding(s) for s in shardings],
+                      jax.jit(copy, out_shardings=shardings))
 
     def _leaf_block(self, leaf: int, index: tuple[slice, ...]) -> np.ndarray:
-        """The EMA of leaf ``leaf`` at a device's shard ``index``, from its pieces."""
+        """A copy of the EMA of leaf ``leaf`` at a device's shard ``index``."""
         shape = self._leaf_shapes[leaf]
-        pieces = sorted(p for p in self._host if p.leaf == leaf)
-        blocks = [self._host[p][_shard_key(index, shape, p)] for p in pieces]
-        return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=0)
+        blocks = [self._host[p][_shard_key(index, shape, p)] for p in self._leaf_pieces[leaf]]
+        return np.concatenate(blocks, axis=0) if len(blocks) > 1 else blocks[0].copy()
 
     def _work(self) -> None:
+        """The blending thread: takes queued groups until ``close`` queues None."""
         while (job := self._jobs.get()) is not None:
             try:
                 if self._error is None:
@@ -298,10 +329,11 @@ class HostEMA:
                 self._jobs.task_done()
         self._jobs.task_done()
 
-    def _blend(self, group: list[Piece], copies: list[jax.Array], finite: Any) -> None:
+    def _blend(self, pieces: list[Piece], copies: list[jax.Array], finite: Any) -> None:
+        """Blends one group's host copies into the EMA, each distinct shard once."""
         if not bool(finite):  # waits for the step; a skipped step leaves the EMA as it is
             return
-        for piece, copy in zip(group, copies):
+        for piece, copy in zip(pieces, copies):
             blocks = self._host[piece]
             done = set()
             for shard in copy.addressable_shards:

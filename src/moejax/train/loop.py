@@ -317,10 +317,10 @@ class Trainer:
                     self._report_trace()
                     last = time.perf_counter()  # the trace's write-out is not step time
         finally:
+            if ema:  # first: it never raises, and it stops the blending thread
+                ema.close()
             metrics_log.close()
             self.ckpt.close()
-            if ema:
-                ema.close()
         median = statistics.median(step_times) if step_times else None
         tps = tc.tokens_per_step / median if median else None
         summary = Summary(first, int(state.step), losses, evals, entropy,
