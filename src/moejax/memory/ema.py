@@ -19,16 +19,17 @@ host.
   memory the EMA takes, a ``1/every`` share of the parameters, freed once it reached the
   host; the train step donates the parameters, so they cannot be read in place) and
   ``jax.device_put`` sends it to ``pinned_host`` memory.
-- A host thread blends the group into the EMA, one numpy array per distinct shard of each
-  piece, with ``decay**every``: each weight blends once every ``every`` steps with the same
-  half-life in steps as a blend on every step. A step whose ``finite`` flag is False leaves
-  its group unchanged.
+- The copy is ``(1 - decay**every)`` times the rows, and a host thread adds it to
+  ``decay**every`` times the EMA, one numpy array per distinct shard of each piece: each
+  weight blends once every ``every`` steps with the same half-life in steps as a blend on
+  every step. A step whose ``finite`` flag is False leaves its group unchanged.
 - ``update`` waits for the previous group's copy to reach the host (it left under the
   step dispatched since), so one copy at a time is on the device, and while two groups
   wait for the thread: where the host blends slower than the device steps, the step time
-  shows it. The host blends about 14 GB/s (16 threads on the H100 machine), so a full
-  pass over `small`'s 7.3 GB takes about 0.5 s of host time: with 8 groups that hides
-  under a batch-64 step (407 vs 406 ms) and not under a batch-4 one (68 vs 50 ms).
+  shows it. On the H100 machine the host blended about 14 GB/s (16 threads, three passes
+  before the device took one over), so a full pass over `small`'s 7.3 GB took about 0.5 s
+  of host time: with 8 groups that hid under a batch-64 step (407 vs 406 ms) and not
+  under a batch-4 one (68 vs 50 ms).
 - Before the EMA is read (a checkpoint, an evaluation) ``arrays`` waits for the thread and
   assembles global arrays with the sharding asked for (by default the parameters' own in
   ``pinned_host`` memory, which the Orbax checkpoint saves and restores).
@@ -149,18 +150,19 @@ def _shard_key(index: tuple[slice, ...], shape: tuple[int, ...], piece: Piece) -
     return bounds[1:] if piece.rows is not None else bounds
 
 
-def _blend_into(ema: np.ndarray, params: np.ndarray, decay: float,
+def _blend_into(ema: np.ndarray, scaled: np.ndarray, decay: float,
                 pool: concurrent.futures.Executor) -> None:
-    """``ema <- decay * ema + (1 - decay) * params`` in place, as
-    ``(ema - params) * decay + params`` (no temporary), in slices over the pool's threads."""
-    e, p = ema.reshape(-1), np.asarray(params, ema.dtype).reshape(-1)
+    """``ema <- decay * ema + scaled`` in place, where the device already made
+    ``scaled = (1 - decay) * params``: two passes where blending the parameters themselves
+    without a temporary takes three (1.26x on a 2-core CPU, `.devrun/s57_blend2.py`), in
+    slices over the pool's threads."""
+    e, q = ema.reshape(-1), np.asarray(scaled, ema.dtype).reshape(-1)
     d = np.asarray(decay, ema.dtype)
 
     def blend(lo: int) -> None:
         s = slice(lo, lo + BLEND_SLICE)
-        np.subtract(e[s], p[s], out=e[s])
         np.multiply(e[s], d, out=e[s])
-        np.add(e[s], p[s], out=e[s])
+        np.add(e[s], q[s], out=e[s])
 
     list(pool.map(blend, range(0, e.size, BLEND_SLICE)))
 
@@ -173,7 +175,7 @@ class _Group:
     pieces: list[Piece]
     leaves: list[int]  # sorted leaf indices the copy reads
     to_host: list[jax.sharding.Sharding]  # per piece
-    copy: Any  # jitted: the leaves' arrays -> one array per piece, laid out like its leaf
+    copy: Any  # jitted: the leaves -> (1 - decay) * each piece, laid out like its leaf
 
 
 class HostEMA:
@@ -300,12 +302,15 @@ class HostEMA:
         self._pool.shutdown()
 
     def _group(self, pieces: list[Piece]) -> _Group:
-        """A group's leaves, host shardings and jitted device copy."""
+        """A group's leaves, host shardings and jitted device copy (scaled by
+        ``1 - blend_decay``, which saves the host a pass)."""
         used = sorted({p.leaf for p in pieces})
+        weight = 1 - self.blend_decay
 
         def copy(leaves: list[jax.Array]) -> list[jax.Array]:
             by_leaf = dict(zip(used, leaves))
-            return [jnp.copy(_rows(by_leaf[p.leaf], p)) for p in pieces]
+            return [_rows(by_leaf[p.leaf], p) * jnp.asarray(weight, by_leaf[p.leaf].dtype)
+                    for p in pieces]
 
         shardings = [self._sharding_leaves[p.leaf] for p in pieces]
         return _Group(pieces, used, [host_sharding(s) for s in shardings],
