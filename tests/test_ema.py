@@ -120,6 +120,30 @@ def test_ema_settings_are_validated(override):
         apply_overrides(get_experiment_preset("tiny"), [override])
 
 
+def test_a_slow_host_shows_as_backlog(monkeypatch):
+    """A blend slower than the steps fills the queue (two groups): the next update waits,
+    and `backlog_seconds` counts it; blends that keep up leave it near zero."""
+    import time
+
+    from moejax.memory import ema as ema_module
+
+    draw, put, shardings = _params_and_shardings(np.random.default_rng(), _data_mesh())
+    params = [put(draw()) for _ in range(5)]
+    with HostEMA(0.9, shardings, 1) as ema:
+        ema.start(params[0])
+        for t in range(1, 3):
+            ema.update(t, params[t])
+            ema.wait()
+        assert ema.backlog_seconds < 0.1
+        blend = ema_module._blend_into
+        monkeypatch.setattr(ema_module, "_blend_into",
+                            lambda *args: time.sleep(0.1) or blend(*args))
+        for t in range(1, 5):  # one blending, two queued: the fourth waits
+            ema.update(t, params[t])
+        # a group is six shard blends (0.6 s here): the fourth update waits for most of one
+        assert ema.backlog_seconds > 0.2
+
+
 def test_arrays_are_copies_and_a_closed_ema_refuses_updates():
     draw, put, shardings = _params_and_shardings(np.random.default_rng(), _data_mesh())
     ema = HostEMA(0.5, shardings, 2)
@@ -203,6 +227,7 @@ def test_trainer_sends_one_group_a_step(tmp_path, monkeypatch):
     logged = []
     Trainer(cfg, tmp_path, resume=False, log=logged.append).run()
     assert blended == [0, 1, 0, 1, 0]
+    assert "s for the host EMA's blends" in logged[-1], logged[-1]
     abstract = jax.eval_shape(state_initializer(cfg)[1], jnp.uint32(0)).params
     device = NamedSharding(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]), P())
     largest = largest_snapshot_bytes(abstract, jax.tree.map(lambda _: device, abstract), 2)

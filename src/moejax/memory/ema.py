@@ -51,6 +51,7 @@ import math
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 import jax
@@ -209,6 +210,9 @@ class HostEMA:
         self._jobs: queue.Queue[tuple | None] = queue.Queue(maxsize=2)
         self._error: BaseException | None = None
         self._closed = False
+        # time `update` waited for the thread (two groups already queued): what a host that
+        # blends slower than the device steps costs the run
+        self.backlog_seconds = 0.0
         # Started by the first update: a run that fails before training leaves no thread.
         self._thread = threading.Thread(target=self._work, name="host-ema", daemon=True)
 
@@ -269,7 +273,9 @@ class HostEMA:
         self._leaving = copies
         if not self._thread.is_alive():
             self._thread.start()
+        queued = time.perf_counter()
         self._jobs.put((group.pieces, copies, finite))
+        self.backlog_seconds += time.perf_counter() - queued
 
     def wait(self) -> None:
         """Returns once every queued blend is done; raises if one failed."""

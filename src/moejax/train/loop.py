@@ -96,6 +96,8 @@ class Summary:
     # with an expert axis, over the median's steps: the busiest device's share of the routed
     # copies over the mean, which an expert-parallel step waits for (docs/multi_gpu_runs.md)
     median_device_load: float | None = None
+    # seconds the training thread waited for the host EMA's blends (None: no EMA)
+    ema_backlog_s: float | None = None
 
 
 def peak_memory_gib() -> float | None:
@@ -328,7 +330,8 @@ class Trainer:
                           mfu(tps, flops_per_token, peak, self.mesh.size) if tps else None,
                           peak_memory_gib(), ema_eval_losses=ema_evals,
                           median_device_load=(statistics.median(device_loads) if device_loads
-                                              else None))
+                                              else None),
+                          ema_backlog_s=ema.backlog_seconds if ema else None)
         self._report_summary(summary)
         return summary
 
@@ -402,4 +405,8 @@ class Trainer:
                             if s.median_device_load is not None else ""))
         if s.peak_memory_gib is not None:
             lines.append(f"peak device memory {s.peak_memory_gib:.2f} GiB")
+        if s.ema_backlog_s is not None:
+            lines.append(f"the steps waited {s.ema_backlog_s:.1f} s for the host EMA's blends"
+                         + (" (a raised train.ema_every gives the host less a step)"
+                            if s.ema_backlog_s > 0.05 * s.wall_s else ""))
         self.log("; ".join(lines))
