@@ -32,7 +32,7 @@ def test_budget_within_10_percent_of_xla(remat, precision, accumulate):
     progress = []
     budget = budget_model.estimate(cfg, progress=progress.append)
     peak, _ = budget_model.compiled_peak(cfg)
-    assert abs(budget.device_total / peak - 1) < 0.10, budget.table()
+    assert abs(budget.step_total / peak - 1) < 0.10, budget.table()
     # both reduced-depth compiles are announced as they start (lowered here, compiled on
     # budget threads), then each is reported done with its time
     assert [m.split(": ")[1].split(" MoE")[0] for m in progress] == [
@@ -73,6 +73,8 @@ def test_static_terms_are_the_sharded_state(no_workspace_compile):
         return term.bytes
 
     assert snapshot(1) == split.term("EMA").bytes
+    # XLA's count of the step program (--validate) leaves out the copy beside it
+    assert split.step_total == split.device_total - split.term("EMA snapshot").bytes > 0
     assert split.term("EMA").bytes / 4 <= snapshot(4) < split.term("EMA").bytes / 3
     tokens = (8 // 8) * 32
     copies = tokens * m.num_experts_per_tok
@@ -271,7 +273,7 @@ def test_accumulating_zero3_step_on_a_data_mesh_within_5_percent():
     budget = budget_model.estimate(cfg, mesh)
     peak, _ = budget_model.compiled_peak_on_mesh(cfg, mesh)
     assert budget.term("gradient accumulator").bytes == budget.term("gradients").bytes > 0
-    assert abs(budget.device_total / peak - 1) < 0.05, budget.table()
+    assert abs(budget.step_total / peak - 1) < 0.05, budget.table()
 
 
 def test_cli_micro_batch_under_accumulation_is_per_pass(capsys):

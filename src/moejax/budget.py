@@ -73,10 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate:
         if not on_mesh:
             peak, analysis = compiled_peak(cfg, global_batch)
+        beside = budget.device_total - budget.step_total
         print(f"XLA memory_analysis of the real step (per device): arguments "
               f"{analysis.argument_size_in_bytes / GIB:.3f} GiB + temp "
               f"{analysis.temp_size_in_bytes / GIB:.3f} GiB = {peak / GIB:.3f} GiB; budget "
-              f"{budget.device_total / GIB:.3f} GiB ({budget.device_total / peak - 1:+.1%})")
+              f"{budget.step_total / GIB:.3f} GiB ({budget.step_total / peak - 1:+.1%})"
+              + (f", plus {beside / GIB:.3f} GiB beside the step (the EMA's copy)"
+                 if beside else ""))
     return 1 if budget.fits is False else 0
 
 

@@ -59,7 +59,7 @@ optimizer state + temp, and temp = gradients + saved activations + workspace (+ 
 layer + exchange buffers on a mesh). Single-device estimates are checked against
 ``compiled.memory_analysis()`` of the real step (``tests/test_budget.py``,
 ``python -m moejax.budget --validate``); the EMA snapshot is outside the step program, so
-that check runs without an EMA.
+that check leaves it out (``Budget.step_total``).
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class Term:
     bytes: int
     note: str
     on_device: bool = True
+    in_step: bool = True  # False: device memory beside the step program (the EMA's copy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +129,11 @@ class Budget:
     @property
     def device_total(self) -> int:
         return sum(t.bytes for t in self.terms if t.on_device)
+
+    @property
+    def step_total(self) -> int:
+        """Device bytes of the step program alone: what XLA's memory_analysis counts."""
+        return sum(t.bytes for t in self.terms if t.on_device and t.in_step)
 
     @property
     def largest(self) -> Term:
@@ -453,7 +459,7 @@ def estimate(cfg: ExperimentConfig, mesh: MeshSpec | None = None, *,
              on_device=False),
         Term("EMA snapshot", snapshot,
              f"the largest of {tc.ema_every} parameter groups, copied out for the host "
-             "while the next step runs" if snapshot else "n/a (no EMA)"),
+             "while the next step runs" if snapshot else "n/a (no EMA)", in_step=False),
         Term("pipeline stage rows held", pipeline.held,
              "gathered stage rows and their gradients, busiest rank" if pipeline.held
              else "n/a (pipe=1)"),
