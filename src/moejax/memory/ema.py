@@ -95,6 +95,12 @@ def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
+def _device_bytes(piece: Piece, leaves: list[Any], shardings: list[Any]) -> int:
+    """Bytes of ``piece`` that one device holds (its leaf's per-device shard)."""
+    leaf = leaves[piece.leaf]
+    return _nbytes(shardings[piece.leaf].shard_shape(piece.shape(leaf.shape)), leaf.dtype)
+
+
 def snapshot_groups(abstract_params: Any, shardings: Any, every: int) -> list[list[Piece]]:
     """The parameter leaves (flattened order) cut into ``every`` groups of near-equal bytes
     per device.
@@ -106,23 +112,21 @@ def snapshot_groups(abstract_params: Any, shardings: Any, every: int) -> list[li
     """
     leaves = jax.tree.leaves(abstract_params)
     sharding_leaves = jax.tree.leaves(shardings)
-    sizes = [_nbytes(s.shard_shape(x.shape), x.dtype)  # per device: what a device holds
-             for x, s in zip(leaves, sharding_leaves, strict=True)]
+    sizes = [_device_bytes(Piece(i), leaves, sharding_leaves) for i in range(len(leaves))]
     target = max(1, sum(sizes) // (2 * every)) if every > 1 else sum(sizes) + 1  # 1: no cuts
-    pieces: list[tuple[int, Piece]] = []
-    for i, (leaf, sharding, size) in enumerate(zip(leaves, sharding_leaves, sizes)):
+    pieces: list[Piece] = []
+    for i, (leaf, sharding, size) in enumerate(zip(leaves, sharding_leaves, sizes,
+                                                   strict=True)):
         rows = leaf.shape[0] if leaf.shape else 1
         splittable = bool(leaf.shape) and sharding.shard_shape(leaf.shape)[0] == rows
         parts = min(rows, -(-size // target)) if splittable else 1
-        if parts <= 1:
-            pieces.append((size, Piece(i)))
-            continue
         bounds = [round(k * rows / parts) for k in range(parts + 1)]
-        for start, stop in zip(bounds, bounds[1:]):
-            pieces.append((size * (stop - start) // rows, Piece(i, (start, stop))))
+        pieces += ([Piece(i)] if parts <= 1 else
+                   [Piece(i, (start, stop)) for start, stop in zip(bounds, bounds[1:])])
     groups: list[list[Piece]] = [[] for _ in range(every)]
     loads = [0] * every
-    for size, piece in sorted(pieces, key=lambda sp: (-sp[0], sp[1])):
+    for size, piece in sorted(((_device_bytes(p, leaves, sharding_leaves), p) for p in pieces),
+                              key=lambda sp: (-sp[0], sp[1])):
         lightest = loads.index(min(loads))
         groups[lightest].append(piece)
         loads[lightest] += size
@@ -134,8 +138,7 @@ def largest_snapshot_bytes(abstract_params: Any, shardings: Any, every: int) -> 
     holds while its copy leaves for the host (the memory budget's term)."""
     leaves = jax.tree.leaves(abstract_params)
     sharding_leaves = jax.tree.leaves(shardings)
-    return max(sum(_nbytes(sharding_leaves[p.leaf].shard_shape(p.shape(leaves[p.leaf].shape)),
-                           leaves[p.leaf].dtype) for p in group)
+    return max(sum(_device_bytes(p, leaves, sharding_leaves) for p in group)
                for group in snapshot_groups(abstract_params, shardings, every))
 
 
