@@ -26,10 +26,11 @@ host.
 - ``update`` waits for the previous group's copy to reach the host (it left under the
   step dispatched since), so one copy at a time is on the device, and while two groups
   wait for the thread: where the host blends slower than the device steps, the step time
-  shows it. On the H100 machine the host blended about 14 GB/s (16 threads, three passes
-  before the device took one over), so a full pass over `small`'s 7.3 GB took about 0.5 s
-  of host time: with 8 groups that hid under a batch-64 step (407 vs 406 ms) and not
-  under a batch-4 one (68 vs 50 ms).
+  shows it. On an H100 machine (16 host cores), 8 groups of `small` hid under a batch-64
+  step (405.1 vs 405.3 ms) and nearly under a batch-4 one (51.8 vs 50.4 ms); 4 groups
+  outran the host's blend at batch 4 (106 ms).
+- Each group's copy is its own jitted program, compiled on the group's first update: the
+  first ``every`` steps of a run each pay one small compile (about 40 ms on that machine).
 - Before the EMA is read (a checkpoint, an evaluation) ``arrays`` waits for the thread and
   assembles global arrays with the sharding asked for (by default the parameters' own in
   ``pinned_host`` memory, which the Orbax checkpoint saves and restores).
