@@ -29,12 +29,15 @@ CASES = {
     "yarn_mscale+no_interleave": dict(
         q_lora_rank=None, n_group=2, topk_group=1, rope_interleave=False,
         rope_parameters=dict(YARN, mscale=0.9, mscale_all_dim=0.7)),
+    # HF (and DeepSeek's reference) norm the q and kv latents with eps 1e-6 whatever
+    # rms_norm_eps says; a large eps shows which norms take it
+    "large_eps": dict(q_lora_rank=32, n_group=1, topk_group=1, rms_norm_eps=0.1),
 }
 
 
 def _random_hf_model(case: dict, seed: int):
     torch.manual_seed(seed)
-    config = transformers.DeepseekV3Config(**BASE, **case)
+    config = transformers.DeepseekV3Config(**{**BASE, **case})
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -25,6 +25,9 @@ from moejax.precision import Precision, linear
 # or cuDNN's fused flash attention (CUDA GPUs; q, k and v are padded to one head dim, up to
 # 256 on Hopper and 128 before).
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+# The q and kv latents' RMSNorm epsilon: Hugging Face's DeepseekV3 and DeepSeek's reference
+# code fix it at 1e-6 whatever ``rms_norm_eps`` says (which the other norms take).
+LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nnx.Module):
@@ -44,11 +47,11 @@ class MLAttention(nnx.Module):
             self.q_proj = Linear(c.hidden_size, heads * c.qk_head_dim, **kw)
         else:
             self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, **kw)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.rms_norm_eps,
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=LATENT_NORM_EPS,
                                          param_dtype=param_dtype)
             self.q_b_proj = Linear(c.q_lora_rank, heads * c.qk_head_dim, **kw)
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, **kw)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=LATENT_NORM_EPS, param_dtype=param_dtype)
         self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), **kw)
         self.o_proj = Linear(heads * c.v_head_dim, c.hidden_size, **kw)
         self.config = config
@@ -87,12 +90,12 @@ def _queries_keys_values(c: ModelConfig, precision: Precision, dtype: jnp.dtype,
     heads = c.num_attention_heads
     if q_weights:
         q_norm, q_up = q_weights
-        q_source = linear(rms_norm(q_source, q_norm, c.rms_norm_eps), q_up, precision, dtype)
+        q_source = linear(rms_norm(q_source, q_norm, LATENT_NORM_EPS), q_up, precision, dtype)
     q = q_source.reshape(batch, seq, heads, c.qk_head_dim)
     q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
 
     kv_norm, kv_up = kv_weights
-    latent = rms_norm(latent_and_rope[..., :c.kv_lora_rank], kv_norm, c.rms_norm_eps)
+    latent = rms_norm(latent_and_rope[..., :c.kv_lora_rank], kv_norm, LATENT_NORM_EPS)
     k_rope = latent_and_rope[..., c.kv_lora_rank:][:, :, None, :]
     kv = linear(latent, kv_up, precision, dtype).reshape(
         batch, seq, heads, c.qk_nope_head_dim + c.v_head_dim)
