@@ -86,7 +86,8 @@ def test_iterator_state_resumes_the_exact_sequence(shard_dir):
 
 def test_too_little_data_and_a_non_shard_folder_are_clear_errors(tmp_path):
     write_shards(["tiny"], tmp_path / "small", ByteTokenizer(), source="x", heldout_every=0)
-    with pytest.raises(DataError, match="fewer than"):
+    with pytest.raises(DataError, match=r"'train' split has no window of seq_len \+ 1 = 65 "
+                                        r"tokens in one shard \(it holds 5 tokens in 1 shard"):
         make_dataset(LoaderSpec(tmp_path / "small", "train", 64, 2, 0))
     with pytest.raises(DataError, match="no text"):
         write_shards(["", ""], tmp_path / "empty", ByteTokenizer(), source="x")

@@ -35,6 +35,7 @@ def test_overrides_are_parsed_by_field_type_and_validated():
                                r"or for a run shorter than its schedule set "
                                r"train.schedule_steps"),
     ("checkpoint.async_save=maybe", r"expected a value of type bool"),
+    ("train.seed=4294967296", r"^train.seed=4294967296: must be < 2\*\*32 = 4294967296"),
     ("train.attention=flash",
      r"train.attention='flash': must be one of \['auto', 'xla', 'cudnn'\]"),
     ("train.layer_loop=unroll",

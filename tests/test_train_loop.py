@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
+from moejax.data.shards import DataError, write_shards
+from moejax.data.tokenizer import ByteTokenizer
 from moejax.train import loop
 from moejax.train.checkpoint import Checkpointer, check_config
 from moejax.train.config import CheckpointConfig, apply_overrides, get_experiment_preset
 from moejax.train.metrics import read_metrics
+from moejax.train.optimizer import updates_applied
 from moejax.train.step import state_initializer, whole_batch
 
 BAD_STEP = 3
@@ -109,14 +112,48 @@ def test_stop_keeps_the_last_good_state_though_the_next_step_was_dispatched(
 
 
 def test_skip_trains_on_past_the_bad_batch(tmp_path, monkeypatch):
-    """Under skip nothing halts: the batch after the bad one trains the kept state."""
-    cfg = _config(steps=BAD_STEP + 2, every=100, nonfinite="skip")
+    """Under skip nothing halts: the batch after the bad one trains the kept state. The
+    skipped step is still checkpointed where its cadence says so, and the LR logged is the
+    one applied: a skipped step leaves the optimizer's count, so the step after it runs at
+    the skipped step's LR."""
+    cfg = _config(steps=BAD_STEP + 2, every=BAD_STEP, nonfinite="skip")
     monkeypatch.setattr(loop, "pipelined", _poisoning(_batch(cfg, BAD_STEP - 1)))
     summary = loop.Trainer(cfg, tmp_path, resume=False, log=lambda _: None).run()
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["finite"] for r in records] == [True, True, False, True, True]
     assert summary.last_step == BAD_STEP + 2 and sorted(summary.losses) == [1, 2, 4, 5]
     assert records[-1]["loss"] < records[0]["loss"]
+    lrs = [r["lr"] for r in records]
+    assert lrs[BAD_STEP] == lrs[BAD_STEP - 1] and len(set(lrs)) == 4
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [BAD_STEP, BAD_STEP + 2]
+    state, _ = _restored(cfg, tmp_path, BAD_STEP + 2)
+    assert int(state.step) == BAD_STEP + 2 and int(updates_applied(state.opt_state)) == BAD_STEP + 1
+
+
+def test_a_failed_eval_loses_no_checkpoint(tmp_path, monkeypatch):
+    """A step that is both saved and evaluated is saved first."""
+    cfg = apply_overrides(_config(steps=2, every=2), ["train.eval_every=2"])
+
+    def failing(*args):
+        raise RuntimeError("eval failed")
+
+    monkeypatch.setattr(loop.Trainer, "_evaluate", failing)
+    with pytest.raises(RuntimeError, match="eval failed"):
+        loop.Trainer(cfg, tmp_path, resume=False, log=lambda _: None).run()
+    assert Checkpointer(tmp_path, cfg.checkpoint).latest_step() == 2
+
+
+def test_a_held_out_split_too_small_to_evaluate_fails_before_training(tmp_path):
+    """The held-out split is first read at the first eval: it is checked at the start."""
+    write_shards(["some text " * 40], tmp_path / "shards", ByteTokenizer(), source="x",
+                 heldout_every=0)
+    cfg = apply_overrides(_config(steps=2, every=2), [f"data.dir={tmp_path / 'shards'}",
+                                                      "train.eval_every=1"])
+    with pytest.raises(DataError, match=r"'val' split has no window of seq_len \+ 1 = 17 "
+                                        r"tokens in one shard \(it holds 0 tokens"):
+        loop.Trainer(cfg, tmp_path / "run", resume=False, log=lambda _: None)
+    assert not (tmp_path / "run").exists()
 
 
 def test_two_steps_read_in_one_go_each_take_the_longer_interval(monkeypatch):
@@ -235,14 +272,33 @@ def test_replicated_arrays_are_saved_and_restored_without_compiling(tmp_path, ca
 
 def test_the_run_dir_records_the_config_each_resume_runs_under(tmp_path):
     """A resume may change the resumable fields; the run dir then records the new values
-    (what its next checkpoints are written under), and a refused config is not recorded."""
-    first = {"train": {"steps": 3, "lr": 1.0}}
-    longer = {"train": {"steps": 5, "lr": 1.0}}
-    assert check_config(tmp_path, first) is None
-    assert check_config(tmp_path, longer) == first
-    with pytest.raises(ConfigError, match=r"train.lr: 1.0 -> 2.0"):
-        check_config(tmp_path, {"train": {"steps": 5, "lr": 2.0}})
-    assert check_config(tmp_path, longer) == longer
+    (what its next checkpoints are written under), and a refused config is not recorded.
+    A run dir without checkpoints (its run failed before the first save) is taken over."""
+    first = {"train": {"steps": 3, "batch_size": 4}}
+    longer = {"train": {"steps": 5, "batch_size": 4}}
+    assert check_config(tmp_path, first, has_checkpoints=True) is None
+    assert check_config(tmp_path, longer, has_checkpoints=True) == first
+    with pytest.raises(ConfigError, match=r"train.batch_size: 4 -> 2"):
+        check_config(tmp_path, {"train": {"steps": 5, "batch_size": 2}}, has_checkpoints=True)
+    assert check_config(tmp_path, longer, has_checkpoints=True) == longer
+    other = {"train": {"steps": 5, "batch_size": 2}}
+    assert check_config(tmp_path, other, has_checkpoints=False) is None
+    assert check_config(tmp_path, other, has_checkpoints=True) == other
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no partial file left
+
+
+def test_a_stopped_run_resumes_with_the_lower_lr_its_error_suggests(tmp_path, monkeypatch):
+    """The non-finite stop suggests a lower train.lr: a resume with one is accepted."""
+    cfg = _config(steps=BAD_STEP + 1, every=100)
+    monkeypatch.setattr(loop, "pipelined", _poisoning(_batch(cfg, BAD_STEP - 1)))
+    with pytest.raises(loop.TrainingError, match=r"--resume --set train.lr="):
+        loop.Trainer(cfg, tmp_path, resume=False, log=lambda _: None).run()
+    monkeypatch.undo()
+    lower = apply_overrides(cfg, [f"train.lr={cfg.train.lr / 2}"])
+    logs: list[str] = []
+    summary = loop.Trainer(lower, tmp_path, resume=True, log=logs.append).run()
+    assert summary.first_step == BAD_STEP - 1 and summary.last_step == BAD_STEP + 1
+    assert any(f"now peaks at {cfg.train.lr / 2:.6g}" in line for line in logs)
 
 
 def test_start_up_line_says_how_the_batch_is_split():

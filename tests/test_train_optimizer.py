@@ -72,6 +72,6 @@ def test_a_resume_that_stretches_the_schedule_names_the_lr_it_moves_to():
     assert new_lr > 5e-4  # mid-cosine of 400, far above the 200-step run's 1e-4 floor
     assert note == (f"the LR schedule now spans 400 steps (it spanned 200): update 201 runs "
                     f"at LR {new_lr:.6g} (the old schedule's: 0.0001); "
-                    "--set train.schedule_steps=200 keeps the old schedule")
+                    "--set train.schedule_steps=200 keeps the old length")
     assert schedule_change(recorded, dataclasses.replace(longer, schedule_steps=200), 200) is None
     assert schedule_change({"steps": 100, "schedule_steps": 400}, longer, 100) is None

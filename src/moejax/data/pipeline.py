@@ -50,10 +50,12 @@ class LoaderSpec:
 
 
 def windows(spec: LoaderSpec) -> PackedWindows:
-    source = PackedWindows(open_split(spec.shard_dir, spec.split), spec.seq_len)
-    if len(source) < 1:
-        raise DataError(f"{spec.shard_dir}: the {spec.split!r} split has fewer than "
-                        f"{spec.seq_len + 1} tokens, not one window of seq_len={spec.seq_len}")
+    shards = open_split(spec.shard_dir, spec.split)
+    source = PackedWindows(shards, spec.seq_len)
+    if len(source) < 1:  # a window never spans two shards
+        raise DataError(f"{spec.shard_dir}: the {spec.split!r} split has no window of "
+                        f"seq_len + 1 = {spec.seq_len + 1} tokens in one shard (it holds "
+                        f"{sum(len(s) for s in shards)} tokens in {len(shards)} shard(s))")
     return source
 
 

@@ -28,12 +28,14 @@ from moejax.config import ConfigError
 from moejax.train.config import CheckpointConfig
 
 CONFIG_FILE = "config.json"
-# Settings that may differ between a run and its resumption: length and LR schedule length
-# (a resume that stretches the schedule logs what it does to the LR), cadences, logging,
+# Settings that may differ between a run and its resumption: length, LR schedule length and
+# peak LR (a resume that changes the schedule logs what it does to the LR), gradient
+# clipping (neither keeps optimizer state), cadences, logging,
 # the device layout (a checkpoint restores onto any mesh), the attention core, the layer
 # loop, and the GEMM precision (FP8 keeps no state of its own: FP32 master weights and
 # optimizer state are the same in both).
-RESUMABLE_CHANGES = {"train.steps", "train.schedule_steps", "train.log_every",
+RESUMABLE_CHANGES = {"train.steps", "train.schedule_steps", "train.lr", "train.grad_clip",
+                     "train.log_every",
                      "train.eval_every", "train.eval_batches", "train.nonfinite",
                      "train.peak_tflops", "train.zero_stage", "train.remat",
                      "train.ema_every", "train.precision", "train.attention", "train.layer_loop",
@@ -81,16 +83,19 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_config(run_dir: pathlib.Path, config: dict) -> dict | None:
-    """Records ``config`` in the run dir, after checking it against the one recorded there.
+def check_config(run_dir: pathlib.Path, config: dict, *, has_checkpoints: bool) -> dict | None:
+    """Records ``config`` in the run dir, after checking it against the one recorded there
+    where the run dir ``has_checkpoints`` (one without, e.g. left by a run that failed
+    before its first save, is simply taken over).
 
     Raises ConfigError naming every differing field that would make the run dir's
     checkpoints belong to another experiment. Returns the configuration recorded before
-    (None in a new run dir); the file then holds ``config``, the one the next checkpoints
-    are written under.
+    (None where none is checked); the file then holds ``config``, the one the next
+    checkpoints are written under. It is replaced whole (a new file renamed over it), so a
+    kill mid-write leaves the old one.
     """
     path = pathlib.Path(run_dir) / CONFIG_FILE
-    recorded = json.loads(path.read_text()) if path.is_file() else None
+    recorded = json.loads(path.read_text()) if has_checkpoints and path.is_file() else None
     if recorded is not None:
         old, new = flatten(recorded), flatten(config)
         changed = [k for k in sorted(set(old) | set(new))
@@ -106,7 +111,9 @@ def check_config(run_dir: pathlib.Path, config: dict) -> dict | None:
             raise ConfigError(f"run dir {run_dir} holds checkpoints of another configuration "
                               f"({diffs}); use a new --run-dir{undo}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=1))
+    partial = path.with_name(f".{CONFIG_FILE}.{os.getpid()}")
+    partial.write_text(json.dumps(config, indent=1))
+    os.replace(partial, path)
     return recorded
 
 

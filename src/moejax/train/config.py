@@ -97,6 +97,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 fail(f"train.{name}", value, "must be a non-negative integer")
+        if self.seed >= 2**32:  # the step's RNG key and the data order take a uint32
+            fail("train.seed", self.seed, f"must be < 2**32 = {2**32}")
         if self.warmup_steps >= self.total_schedule_steps:
             length = ("train.schedule_steps" if self.schedule_steps is not None
                       else "train.steps, as train.schedule_steps is unset")

@@ -21,7 +21,7 @@ import numpy as np
 from moejax import profiling
 from moejax.config import ConfigError
 from moejax.data.corpus import resolve_data_dir
-from moejax.data.pipeline import LoaderSpec, make_dataset
+from moejax.data.pipeline import LoaderSpec, make_dataset, windows
 from moejax.data.shards import read_info, unigram_entropy
 from moejax.memory.budget import GIB, check_fits
 from moejax.memory.ema import HostEMA, largest_snapshot_bytes
@@ -161,6 +161,8 @@ class Trainer:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: must be >= the "
                               f"{self.data_info.vocab_size} ids of the data's "
                               f"{self.data_info.tokenizer} tokenizer ({self.shard_dir})")
+        if cfg.train.eval_every:  # the first eval reads it: fail before training, not there
+            windows(_loader(cfg, self.shard_dir, "val"))
         if trace and not resume:  # a fresh run starts at 0: refuse before Orbax's threads
             trace.window(0, cfg.train.steps)
         self.ckpt = Checkpointer(self.run_dir, cfg.checkpoint, self.log)
@@ -172,7 +174,9 @@ class Trainer:
         self.traced = trace.window(self.resume_step or 0, cfg.train.steps) if trace else range(0)
         self.trace = trace
         # the configuration the run dir's checkpoints were written under (None: a new dir)
-        self.recorded = check_config(self.run_dir, cfg.to_dict()) if self.primary else None
+        self.recorded = (check_config(self.run_dir, cfg.to_dict(),
+                                      has_checkpoints=self.resume_step is not None)
+                         if self.primary else None)
 
     def _report_data(self) -> float:
         info, entropy = self.data_info, unigram_entropy(self.shard_dir)
@@ -283,17 +287,19 @@ class Trainer:
                 for done, metrics, step_time in read:
                     record = self._record(done.step, metrics, step_time, flops_per_token,
                                           peak, compiled=done.step == first + 1)
-                    if not metrics["finite"]:
-                        # Stop: the state is still the bad step's (every later step halted).
+                    if metrics["finite"]:
+                        losses[done.step] = record["loss"]
+                    else:  # stop: raises; skip: the state is the last good one, step on
                         self._nonfinite(done.step, state, done.data_state, record,
                                         metrics_log, ema)
-                        continue
                     if done.step > first + 1 and done.step not in self.traced:
                         step_times.append(step_time)
                         if DEVICE_LOAD in record:
                             device_loads.append(record[DEVICE_LOAD])
-                    losses[done.step] = record["loss"]
                     current = done.step == step  # the state is this step's
+                    if current and self._saves(step):  # first: an eval that fails loses nothing
+                        self.ckpt.save(step, state, train_iter.get_state(),
+                                       ema.arrays() if ema else None)
                     if current and self._evaluates(step):
                         record["eval_loss"] = evals[step] = self._evaluate(
                             eval_step, state, batch_sh)
@@ -302,7 +308,8 @@ class Trainer:
                             record["ema_eval_loss"] = ema_evals[step] = self._evaluate(
                                 eval_step, state._replace(params=ema_params), batch_sh)
                             del ema_params
-                        last = time.perf_counter()  # eval time is not step time
+                    if current and (self._saves(step) or self._evaluates(step)):
+                        last = time.perf_counter()  # save and eval time are not step time
                     metrics_log.write(record)
                     if (done.step % tc.log_every == 0 or done.step == first + 1
                             or done.step == tc.steps):
@@ -310,9 +317,6 @@ class Trainer:
                             f" | held-out {record['eval_loss']:.4f}" if "eval_loss" in record
                             else "") + (f" (EMA {record['ema_eval_loss']:.4f})"
                                         if "ema_eval_loss" in record else ""))
-                    if current and self._saves(step):
-                        self.ckpt.save(step, state, train_iter.get_state(),
-                                       ema.arrays() if ema else None)
                 if self.traced and step == self.traced[-1]:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
@@ -370,11 +374,13 @@ class Trainer:
 
     def _nonfinite(self, step: int, state: TrainState, data_state: dict, record: dict,
                    metrics_log: MetricsLog, ema: HostEMA | None = None) -> None:
-        """Skips the batch, or saves the last good state (unchanged by the step) and stops."""
-        metrics_log.write(record)
+        """Skip: says so (the batch is consumed; the step's record is written with the
+        others). Stop: writes the record, saves the last good state (unchanged by the step)
+        and raises."""
         if self.cfg.train.nonfinite == "skip":
             self.log(f"step {step}: non-finite loss ({record['total_loss']}), batch skipped")
             return
+        metrics_log.write(record)
         good = step - 1
         if self.ckpt.latest_step() != good:
             self.ckpt.save(good, state._replace(step=jnp.full_like(state.step, good)),
@@ -382,7 +388,8 @@ class Trainer:
         raise TrainingError(
             f"non-finite loss at step {step} (loss {record['total_loss']}, grad norm "
             f"{record['grad_norm']}); the last good state (step {good}) is checkpointed in "
-            f"{self.ckpt.directory}. Lower train.lr, or pass --set train.nonfinite=skip")
+            f"{self.ckpt.directory}. Resume it with a lower train.lr (--resume --set "
+            f"train.lr=...), or with --set train.nonfinite=skip")
 
     def _report_summary(self, s: Summary) -> None:
         if not s.losses:

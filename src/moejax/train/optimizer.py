@@ -37,20 +37,34 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
     return lambda count: schedule(count + 1)
 
 
+def updates_applied(opt_state: Any) -> jax.Array:
+    """The updates ``make_optimizer``'s chain has applied: the count its LR schedule (the
+    chain's last link) reads. It trails the train step by the steps that a non-finite loss
+    skipped (``train.nonfinite=skip`` keeps the whole optimizer state, count included), as
+    a skipped iteration does not advance Megatron's scheduler either."""
+    return opt_state[-1].count
+
+
 def schedule_change(recorded: Mapping[str, Any], cfg: TrainConfig, step: int) -> str | None:
     """What resuming at update ``step`` under ``cfg`` does to the LR, where the schedule
-    length differs from the ``recorded`` run's train section (``train.steps`` changed with
-    ``train.schedule_steps`` unset: the cosine or WSD curve is stretched under the run);
-    None where it is the same."""
+    differs from the ``recorded`` run's train section: its length (``train.steps`` changed
+    with ``train.schedule_steps`` unset: the cosine or WSD curve is stretched under the
+    run) or its peak (``train.lr``, e.g. lowered after a non-finite loss); None where it is
+    the same."""
     old = dataclasses.replace(cfg, steps=recorded["steps"],
-                              schedule_steps=recorded.get("schedule_steps")).total_schedule_steps
-    if old == cfg.total_schedule_steps:
+                              schedule_steps=recorded.get("schedule_steps"),
+                              lr=recorded.get("lr", cfg.lr))
+    length, old_length = cfg.total_schedule_steps, old.total_schedule_steps
+    changes = ([f"spans {length} steps (it spanned {old_length})"] if length != old_length
+               else []) + ([f"peaks at {cfg.lr:.6g} (it peaked at {old.lr:.6g})"]
+                           if cfg.lr != old.lr else [])
+    if not changes:
         return None
     lr = lambda c: float(learning_rate(c)(step))  # noqa: E731
-    return (f"the LR schedule now spans {cfg.total_schedule_steps} steps (it spanned {old}): "
-            f"update {step + 1} runs at LR {lr(cfg):.6g} (the old schedule's: "
-            f"{lr(dataclasses.replace(cfg, schedule_steps=old)):.6g}); "
-            f"--set train.schedule_steps={old} keeps the old schedule")
+    keep = (f"; --set train.schedule_steps={old_length} keeps the old length"
+            if length != old_length else "")
+    return (f"the LR schedule now {' and '.join(changes)}: update {step + 1} runs at LR "
+            f"{lr(cfg):.6g} (the old schedule's: {lr(old):.6g}){keep}")
 
 
 def _decay_mask(params):
