@@ -151,6 +151,9 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+# The released model's RoPE (HF config.json): YaRN from its context extension. DeepSeek-V3
+# pre-trained at 4K tokens without it (technical report, section 4.3), so a from-scratch run
+# that follows the paper would train with rope_scaling None first.
 _DEEPSEEK_YARN = RopeScaling(factor=40.0, original_max_position_embeddings=4096,
                              beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 
