@@ -10,7 +10,6 @@ one out of device memory with status 4.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pathlib
 import sys
@@ -77,8 +76,7 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
         overrides.append(f"train.microbatches={args.microbatches}")
     overrides += args.set
     if args.mesh:
-        spec = MeshSpec.parse(args.mesh)
-        overrides += [f"mesh.{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(spec)]
+        overrides += MeshSpec.parse(args.mesh).as_overrides()
     cfg = apply_overrides(get_experiment_preset(args.preset), overrides)
     if args.schedule is not None and cfg.mesh.pipe == 1:  # else ignored without a word
         raise ConfigError(f"--schedule {args.schedule}: applies to a pipelined run, and "

@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from moejax.budget import budget_config, parse_args
 from moejax.budget import main as budget_cli
 from moejax.config import ConfigError
 from moejax.memory import budget as budget_model
@@ -111,8 +112,9 @@ def test_parse_bytes():
     assert budget_model.parse_bytes("80GB") == 80 * 2**30
     assert budget_model.parse_bytes("1.5 TiB") == int(1.5 * 2**40)
     assert budget_model.parse_bytes("4096") == 4096
-    with pytest.raises(ConfigError, match="--device-memory='80 parsecs'"):
-        budget_model.parse_bytes("80 parsecs")
+    for bad in ("80 parsecs", "1.2.3GB", ".", "0", "0.5B"):
+        with pytest.raises(ConfigError, match=f"--device-memory={bad!r}: expected a size"):
+            budget_model.parse_bytes(bad)
 
 
 def test_cli_verdict_and_largest_term(capsys, no_workspace_compile):
@@ -121,6 +123,40 @@ def test_cli_verdict_and_largest_term(capsys, no_workspace_compile):
     out = capsys.readouterr().out
     assert "DOES NOT FIT in 0.00 GiB" in out and "largest term:" in out
     assert budget_cli(["--mesh", "data=3", "--preset", "tiny"]) == 2  # 16 % 3
+
+
+def test_cli_budgets_the_configs_mesh_and_checks_it(capsys, no_workspace_compile):
+    """--mesh and --set mesh.* both reach the budget, through the config's checks."""
+    args = ["--preset", "tiny", "--device-memory", "1TB"] + [
+        a for s in SHAPES for a in ("--set", s)]
+    assert budget_cli(args + ["--set", "mesh.data=2", "--set", "train.batch_size=8"]) == 0
+    assert "mesh pipe=1,data=2,expert=1,tensor=1" in capsys.readouterr().out
+    assert budget_cli(args + ["--mesh", "tensor=2"]) == 2
+    assert "mesh.tensor=2: experiments.train has no tensor parallelism" in capsys.readouterr().err
+    assert budget_cli(args + ["--mesh", "expert=32", "--set", "train.batch_size=32"]) == 2
+    assert "mesh.expert=32: must divide model.n_routed_experts=" in capsys.readouterr().err
+
+
+def test_micro_batch_sets_the_steps_batch_for_the_mesh():
+    """--micro-batch fixes the batch (here 2 a device a pass on data=3 over 2 micro-batches)
+    where the preset's own batch (16) does not divide over the mesh."""
+    cfg = budget_config(parse_args(["--mesh", "data=3", "--micro-batch", "2",
+                                    "--set", "train.microbatches=2"]))
+    assert cfg.train.batch_size == 12 and cfg.mesh == MeshSpec(data=3)
+
+
+def test_zero1_gradients_are_split_over_data_like_the_moments(no_workspace_compile):
+    """Under ZeRO-1 the parameters are whole on each device, and the gradients and their
+    accumulator are counted split over data, as the optimizer state is (and as ZeRO-3
+    counts them)."""
+    cfg = _tiny("train.batch_size=8", "train.microbatches=2")
+    zero1 = budget_model.estimate(apply_overrides(cfg, ["train.zero_stage=1"]), MeshSpec(data=4))
+    zero3 = budget_model.estimate(cfg, MeshSpec(data=4))
+    one = budget_model.estimate(cfg, MeshSpec())
+    grads = lambda b: b.term("gradients").bytes  # noqa: E731
+    assert grads(zero1) == grads(zero3) < grads(one) / 3
+    assert zero1.term("gradient accumulator").bytes == grads(zero1)
+    assert zero1.term("parameters").bytes > 3 * zero3.term("parameters").bytes
 
 
 def test_trainer_fails_before_compiling_when_the_step_cannot_fit(monkeypatch, tmp_path,
@@ -258,7 +294,7 @@ def test_cli_validates_a_mesh_on_this_hosts_devices(capsys):
     assert budget_cli(args + ["--mesh", "pipe=2,expert=2", "--set", "train.batch_size=8"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"real step \(per device\).* budget \d+\.\d+ GiB \([+-]\d+\.\d%\)", out), out
-    assert budget_cli(args + ["--mesh", "data=16"]) == 2
+    assert budget_cli(args + ["--mesh", "data=16", "--set", "train.batch_size=16"]) == 2
     assert "needs 16 devices, this host has 8" in capsys.readouterr().err
 
 

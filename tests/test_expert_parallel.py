@@ -235,6 +235,31 @@ def test_cross_node_copies_counted_and_capped_by_group_limit(moe):
     assert max(len(set(row)) for row in expert_node) <= CONFIG.topk_group
 
 
+def test_cross_node_counts_only_the_copies_a_capacity_lets_leave(moe):
+    """With a capacity factor, each device sends at most C copies to each destination:
+    the copies over it are dropped, not sent, so they do not count as cross-node
+    traffic."""
+    x, bias = _inputs(11)
+    bias = bias.at[jnp.array([0, 1, 2, 3])].add(3.0)  # node 0's experts wanted by all
+    with jax.set_mesh(_mesh(expert=8)), expert_parallel_options(
+            ExpertParallelOptions(capacity_factor=0.5, devices_per_node=2)):
+        got = _call(moe, x, bias)
+    flat = x.reshape(-1, CONFIG.hidden_size)
+    experts = np.asarray(route(flat @ moe.router[...], bias, CONFIG).experts)
+    tokens = flat.shape[0] // 8
+    capacity = int(np.ceil(0.5 * tokens * CONFIG.num_experts_per_tok / 8))
+    local = CONFIG.n_routed_experts // 8
+    sent = cross = 0
+    for device in range(8):
+        wanted = np.bincount(experts[device * tokens:(device + 1) * tokens].ravel() // local,
+                             minlength=8)
+        kept = np.minimum(wanted, capacity)
+        sent += kept.sum()
+        cross += kept[np.arange(8) // 2 != device // 2].sum()
+    assert int(got.stats.dropped) == experts.size - sent > 0
+    assert int(got.stats.cross_node) == cross
+
+
 def test_data_parallel_experts_see_only_their_devices_tokens(moe, monkeypatch):
     """With data > 1 and no expert axis each device runs its own tokens' copies through the
     experts: XLA, left to itself, gathered the batch and ran them all on every device."""

@@ -29,6 +29,7 @@ def test_overrides_are_parsed_by_field_type_and_validated():
     ("model.n_group=3", r"^model.n_routed_experts=16: must be divisible by n_group=3"),
     ("expert_parallel.transport=nccl", r"^expert_parallel.transport='nccl': must be one of"),
     ("mesh.data=0", r"^mesh.data=0: must be a positive integer"),
+    ("mesh.expert=3", r"^mesh.expert=3: must divide model.n_routed_experts=16"),
     ("train.seq_len=4096", r"train.seq_len=4096: must be <= model.max_position_embeddings"),
     ("train.warmup_steps=200", r"train.warmup_steps=200: must be < the schedule length 200 "
                                r"\(train.steps, as train.schedule_steps is unset\); lower it, "

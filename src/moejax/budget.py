@@ -17,7 +17,8 @@ from moejax.config import ConfigError
 from moejax.memory.budget import (GIB, at_micro_batch, check_compilable_here, compiled_peak,
                                   compiled_peak_on_mesh, estimate, parse_bytes, start_compile)
 from moejax.parallel.mesh import MeshSpec
-from moejax.train.config import apply_overrides, get_experiment_preset
+from moejax.train.config import (ExperimentConfig, apply_overrides, get_experiment_preset,
+                                 overridden_sections)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,18 +43,32 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def budget_config(args: argparse.Namespace) -> ExperimentConfig:
+    """The preset with ``--set`` and ``--mesh`` (the config checks the mesh against the
+    model and the batch). With ``--micro-batch`` the step's batch is the one that gives
+    each data x expert device that many sequences a pass (``train.batch_size`` is set to
+    it, whatever the preset's)."""
+    preset = get_experiment_preset(args.preset)
+    overrides = args.set + (MeshSpec.parse(args.mesh).as_overrides() if args.mesh else [])
+    if args.micro_batch is not None:
+        if args.micro_batch < 1:
+            raise ConfigError(f"--micro-batch={args.micro_batch}: must be >= 1")
+        sections = overridden_sections(preset, overrides)
+        shards = sections.get("train", preset.train).batch_shards(
+            sections.get("mesh", preset.mesh))
+        overrides = [*overrides, f"train.batch_size={args.micro_batch * shards}"]
+    return apply_overrides(preset, overrides)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = apply_overrides(get_experiment_preset(args.preset), args.set)
-        mesh = MeshSpec.parse(args.mesh)
-        if args.micro_batch is not None and args.micro_batch < 1:
-            raise ConfigError(f"--micro-batch={args.micro_batch}: must be >= 1")
+        cfg = budget_config(args)
+        mesh = cfg.mesh
         memory = parse_bytes(args.device_memory) if args.device_memory else None
         on_mesh = args.validate and mesh.size > 1
         # the step's global batch that gives each device --micro-batch per pass
-        global_batch = (None if args.micro_batch is None
-                        else args.micro_batch * cfg.train.batch_shards(mesh))
+        global_batch = None if args.micro_batch is None else cfg.train.batch_size
         if on_mesh:
             check_compilable_here(mesh)  # before the budget's compiles
         elif args.validate:  # compiles beside the budget's own two

@@ -173,6 +173,11 @@ class _Transport:
         return (functools.partial(exchange_back_fp8_gradient, self) if fp8_gradient
                 else self.exchange_back)
 
+    def sent_per_destination(self, wanted: jax.Array) -> jax.Array:
+        """Copies that leave for each destination device, of ``wanted`` (ep,) routed there:
+        all of them, where no capacity cuts any."""
+        return wanted
+
     def send_alongside(self, values: jax.Array, context: Any) -> jax.Array:
         """Per-row values (rows,) of the sent rows, moved as ``send`` moved the rows
         (``context``: the ``Received``'s): the receiver's, row for row with its tokens
@@ -242,6 +247,9 @@ class _Padded(_Transport):
         context = (index, source)
         return Outbound(self.lay_out(rows, context), ids.astype(jnp.int32), context,
                         n - keep.sum(dtype=jnp.int32))
+
+    def sent_per_destination(self, wanted: jax.Array) -> jax.Array:
+        return jnp.minimum(wanted, self.capacity)  # the first C of each destination go
 
     def lay_out(self, rows: jax.Array, context: tuple) -> jax.Array:
         """Rows (or per-row values, (rows, ...)) placed in the send buffer."""
@@ -595,15 +603,18 @@ def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
     return flat // devices_per_node
 
 
-def cross_node_copies(copies: jax.Array, num_local: int, mesh_shape: dict[str, int],
-                      devices_per_node: int) -> jax.Array:
+def cross_node_copies(copies: jax.Array, *, transport: Transport, num_local: int,
+                      mesh_shape: dict[str, int], devices_per_node: int) -> jax.Array:
     """How many of this device's token copies (global expert ids, experts laid out
-    ``num_local`` per device along ``expert``) go to a device on another node (call inside
-    a ``shard_map`` manual over ``expert``)."""
+    ``num_local`` per device along ``expert``) ``transport`` sends to a device on another
+    node: a copy a capacity drops is not sent (call inside a ``shard_map`` manual over
+    ``expert``)."""
     node = functools.partial(_node_of_expert_position, mesh_shape=mesh_shape,
                              devices_per_node=devices_per_node)
-    return jnp.sum(node(copies // num_local) != node(jax.lax.axis_index(EXPERT_AXIS)),
-                   dtype=jnp.int32)
+    ep = mesh_shape[EXPERT_AXIS]
+    sent = transport.sent_per_destination(jnp.bincount(copies // num_local, length=ep))
+    remote = node(jnp.arange(ep)) != node(jax.lax.axis_index(EXPERT_AXIS))
+    return jnp.sum(jnp.where(remote, sent, 0), dtype=jnp.int32)
 
 
 def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: ExpertWeights, *,
@@ -637,7 +648,8 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
     y = sum_copies(y_rows, order, k).reshape(batch, seq, hidden)
 
     balance = balance_loss(routing, batch, config)
-    cross_node = cross_node_copies(copies, num_local, mesh_shape, devices_per_node)
+    cross_node = cross_node_copies(copies, transport=transport, num_local=num_local,
+                                   mesh_shape=mesh_shape, devices_per_node=devices_per_node)
     total = functools.partial(jax.lax.psum, axis_name=batch_axes)
     return y, RoutingStats(total(counts), jax.lax.pmean(balance, batch_axes),
                            total(received.dropped), total(cross_node))

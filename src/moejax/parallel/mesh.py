@@ -62,6 +62,11 @@ class MeshSpec:
                 raise ConfigError(f"--mesh {text!r}: {name}={value!r} is not an integer") from None
         return cls(**sizes)
 
+    def as_overrides(self) -> list[str]:
+        """``--set`` strings that put this layout in a config's ``mesh`` section (where
+        the config checks it against the model and the batch)."""
+        return [f"mesh.{axis}={getattr(self, axis)}" for axis in AXES]
+
 
 def ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
     """Devices sorted so that one process's (one node's) devices are contiguous."""

@@ -203,6 +203,9 @@ class ExperimentConfig:
                   "experiments.train has no tensor parallelism yet; use 1")
         if self.mesh.pipe > 1:
             self._check_pipeline()
+        if self.model.num_moe_layers and self.model.n_routed_experts % self.mesh.expert:
+            fail("mesh.expert", self.mesh.expert, f"must divide model.n_routed_experts="
+                                                  f"{self.model.n_routed_experts}")
         if self.train.batch_size % self.train.batch_shards(self.mesh):
             fail("train.batch_size", self.train.batch_size,
                   f"must divide over the data x expert mesh axes "
@@ -300,6 +303,13 @@ def _coerce(key: str, text: str, kind: Any) -> Any:
 
 def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
     """Applies ``section.field=value`` strings; the result is validated as a whole."""
+    return dataclasses.replace(config, **overridden_sections(config, overrides))
+
+
+def overridden_sections(config: ExperimentConfig, overrides: list[str]) -> dict[str, Any]:
+    """The sections of ``config`` that ``overrides`` change, with the changes, each section
+    validated on its own (not yet against the others: what a caller reads to derive one
+    more override, as ``moejax.budget`` derives the batch from a per-device micro-batch)."""
     changes: dict[str, dict[str, Any]] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -316,8 +326,7 @@ def apply_overrides(config: ExperimentConfig, overrides: list[str]) -> Experimen
             raise ConfigError(f"--set {item!r}: unknown field {section}.{name}; "
                               f"known: {fields}")
         changes.setdefault(section, {})[name] = _coerce(key, text.strip(), hints[name])
-    sections = {s: _replaced(s, getattr(config, s), c) for s, c in changes.items()}
-    return dataclasses.replace(config, **sections)
+    return {s: _replaced(s, getattr(config, s), c) for s, c in changes.items()}
 
 
 def _replaced(section: str, value: Any, changes: dict[str, Any]) -> Any:

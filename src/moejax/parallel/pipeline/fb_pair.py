@@ -382,7 +382,7 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
         transport = make_transport(options, ep, batch_axes, batch * seq,
                                    config.num_experts_per_tok, config.n_routed_experts)
         cross_node = functools.partial(
-            cross_node_copies, num_local=config.n_routed_experts // ep,
+            cross_node_copies, transport=transport, num_local=config.n_routed_experts // ep,
             mesh_shape=dict(jax.sharding.get_abstract_mesh().shape),
             devices_per_node=options.devices_per_node or jax.local_device_count())
         ctx = Context(graphdef, config, transport, cos, sin, batch_axes,
