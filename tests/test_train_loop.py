@@ -308,3 +308,16 @@ def test_start_up_line_says_how_the_batch_is_split():
         "; gradients accumulated over 4 micro-batches of 4 sequences")
     piped = apply_overrides(base, ["mesh.pipe=2", "mesh.data=4", "model.num_hidden_layers=4"])
     assert loop.microbatch_note(piped) == "; pipeline 1f1b over 4 micro-batches"
+
+
+def test_start_up_line_says_which_exchange_settings_have_no_effect():
+    """Without an expert axis every token reaches its experts on its own device: a capacity
+    factor (which would drop copies) or FP8 tokens change nothing, and the line says so."""
+    base = get_experiment_preset("tiny")
+    assert loop.exchange_note(base) == "expert transport none"
+    capped = apply_overrides(base, ["expert_parallel.capacity_factor=0.5"])
+    assert loop.exchange_note(capped) == (
+        "expert transport none (expert_parallel.capacity_factor=0.5 unused without an expert "
+        "axis: every token reaches its experts on its own device)")
+    spread = apply_overrides(capped, ["mesh.expert=2"])
+    assert loop.exchange_note(spread) == "expert transport padded (tokens travel as compute)"

@@ -25,7 +25,7 @@ from moejax.data.pipeline import LoaderSpec, make_dataset, windows
 from moejax.data.shards import read_info, unigram_entropy
 from moejax.memory.budget import GIB, check_fits
 from moejax.memory.ema import HostEMA, largest_snapshot_bytes
-from moejax.parallel.expert import expert_parallel_options
+from moejax.parallel.expert import ExpertParallelOptions, expert_parallel_options
 from moejax.parallel.mesh import build_mesh
 from moejax.parallel.sharding import batch_sharding
 from moejax.train.checkpoint import Checkpointer, check_config
@@ -133,6 +133,20 @@ def _read_finished(finished: list[_Dispatched], compiling_step: int, last: float
     return read, last
 
 
+def exchange_note(cfg: ExperimentConfig) -> str:
+    """The start-up line's word on the expert exchange: its transport and token format, or
+    none, saying so where an expert_parallel setting then has no effect."""
+    options = cfg.expert_parallel
+    if cfg.mesh.expert > 1:
+        return (f"expert transport {options.resolved_transport()} (tokens travel as "
+                f"{options.token_format})")
+    unused = [f"{name}={getattr(options, name)!r}" for name in ("capacity_factor", "token_format")
+              if getattr(options, name) != getattr(ExpertParallelOptions(), name)]
+    return "expert transport none" + (
+        f" ({', '.join(f'expert_parallel.{u}' for u in unused)} unused without an expert "
+        "axis: every token reaches its experts on its own device)" if unused else "")
+
+
 def microbatch_note(cfg: ExperimentConfig) -> str:
     """How the step splits its batch, for the start-up log line ("" in one pass)."""
     m = cfg.num_microbatches
@@ -223,9 +237,7 @@ class Trainer:
                      "docs/memory.md)")
         batch_sh = batch_sharding(self.mesh)
         self.log(f"mesh {cfg.mesh} over {self.mesh.size} device(s) in {jax.process_count()} "
-                 f"process(es); ZeRO-{tc.zero_stage}; expert transport "
-                 f"{cfg.expert_parallel.resolved_transport() if cfg.mesh.expert > 1 else 'none'}"
-                 f" (tokens travel as {cfg.expert_parallel.token_format}); GEMMs "
+                 f"process(es); ZeRO-{tc.zero_stage}; {exchange_note(cfg)}; GEMMs "
                  f"{tc.precision}, attention core {attention_implementation(cfg)}, layer loop "
                  f"{layer_loop(cfg)}{microbatch_note(cfg)}")
         train_iter = iter(make_dataset(_loader(cfg, self.shard_dir, "train")))
