@@ -281,6 +281,11 @@ def test_the_run_dir_records_the_config_each_resume_runs_under(tmp_path):
     with pytest.raises(ConfigError, match=r"train.batch_size: 4 -> 2"):
         check_config(tmp_path, {"train": {"steps": 5, "batch_size": 2}}, has_checkpoints=True)
     assert check_config(tmp_path, longer, has_checkpoints=True) == longer
+    with pytest.raises(ConfigError, match=r"train.batch_size: 4 -> 2"):  # another process
+        check_config(tmp_path, {"train": {"steps": 5, "batch_size": 2}}, has_checkpoints=True,
+                     record=False)
+    assert check_config(tmp_path, first, has_checkpoints=True, record=False) == longer
+    assert check_config(tmp_path, longer, has_checkpoints=True) == longer  # not recorded
     other = {"train": {"steps": 5, "batch_size": 2}}
     assert check_config(tmp_path, other, has_checkpoints=False) is None
     assert check_config(tmp_path, other, has_checkpoints=True) == other

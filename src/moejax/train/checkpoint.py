@@ -83,10 +83,13 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_config(run_dir: pathlib.Path, config: dict, *, has_checkpoints: bool) -> dict | None:
+def check_config(run_dir: pathlib.Path, config: dict, *, has_checkpoints: bool,
+                 record: bool = True) -> dict | None:
     """Records ``config`` in the run dir, after checking it against the one recorded there
     where the run dir ``has_checkpoints`` (one without, e.g. left by a run that failed
-    before its first save, is simply taken over).
+    before its first save, is simply taken over). ``record=False`` only checks: every
+    process of a multi-process run checks (the run dir is shared, as Orbax's multi-process
+    saves need), so all of them refuse a config together, and process 0 records it.
 
     Raises ConfigError naming every differing field that would make the run dir's
     checkpoints belong to another experiment. Returns the configuration recorded before
@@ -110,6 +113,8 @@ def check_config(run_dir: pathlib.Path, config: dict, *, has_checkpoints: bool) 
                     if len(back) == len(changed) else "")
             raise ConfigError(f"run dir {run_dir} holds checkpoints of another configuration "
                               f"({diffs}); use a new --run-dir{undo}")
+    if not record:
+        return recorded
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{CONFIG_FILE}.{os.getpid()}")
     partial.write_text(json.dumps(config, indent=1))

@@ -188,9 +188,9 @@ class Trainer:
         self.traced = trace.window(self.resume_step or 0, cfg.train.steps) if trace else range(0)
         self.trace = trace
         # the configuration the run dir's checkpoints were written under (None: a new dir)
-        self.recorded = (check_config(self.run_dir, cfg.to_dict(),
-                                      has_checkpoints=self.resume_step is not None)
-                         if self.primary else None)
+        self.recorded = check_config(self.run_dir, cfg.to_dict(),
+                                     has_checkpoints=self.resume_step is not None,
+                                     record=self.primary)
 
     def _report_data(self) -> float:
         info, entropy = self.data_info, unigram_entropy(self.shard_dir)
