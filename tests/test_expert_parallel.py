@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from moejax.config import get_model_preset
 from moejax.model import DeepseekV3
@@ -17,6 +18,7 @@ from moejax.model.moe import MoE
 from moejax.model.routing import route
 from moejax.parallel import expert as expert_module
 from moejax.parallel.expert import ExpertParallelOptions, expert_parallel_options
+from moejax.parallel.mesh import AXES, MeshSpec, build_mesh
 
 CONFIG = get_model_preset("tiny")
 
@@ -258,6 +260,26 @@ def test_cross_node_counts_only_the_copies_a_capacity_lets_leave(moe):
         cross += kept[np.arange(8) // 2 != device // 2].sum()
     assert int(got.stats.dropped) == experts.size - sent > 0
     assert int(got.stats.cross_node) == cross
+
+
+def test_nodes_of_destinations_follow_the_pipe_rank_inside_the_executor():
+    """Inside a shard_map manual over pipe (the pipeline executor's), pipe rank r exchanges
+    among its own devices: with 4 a rank and 3 a node, rank 1's devices 4-7 sit on nodes
+    1, 1, 2, 2, not on rank 0's 0, 0, 0, 1. Outside one, tokens are replicated over pipe."""
+    mesh = build_mesh(MeshSpec(pipe=2, expert=4))
+    shape = dict(mesh.shape)
+
+    def executor(_):  # manual over every axis, as the pipeline executor is
+        senders = expert_module.sender_axes()
+        nodes = expert_module._node_of_expert_position(jnp.arange(4), shape, 3, senders)
+        return nodes.reshape(1, 1, 1, 1, 4)
+
+    with jax.set_mesh(mesh):
+        assert "pipe" not in expert_module.sender_axes()
+        got = jax.shard_map(executor, in_specs=P(), out_specs=P(*AXES))(jnp.zeros(()))
+    want = (np.arange(2)[:, None] * 4 + np.arange(4)) // 3  # (rank, destination)
+    np.testing.assert_array_equal(np.asarray(got)[:, 0, :, 0], np.broadcast_to(
+        want[:, None, :], (2, 4, 4)))
 
 
 def test_data_parallel_experts_see_only_their_devices_tokens(moe, monkeypatch):

@@ -30,6 +30,12 @@ def test_overrides_are_parsed_by_field_type_and_validated():
     ("expert_parallel.transport=nccl", r"^expert_parallel.transport='nccl': must be one of"),
     ("mesh.data=0", r"^mesh.data=0: must be a positive integer"),
     ("mesh.expert=3", r"^mesh.expert=3: must divide model.n_routed_experts=16"),
+    ("mesh.pipe=3,train.pipeline_schedule=dualpipe",
+     r"^mesh.pipe=3: --mesh pipe=3 with train.pipeline_schedule='dualpipe': num_ranks=3: "
+     r"DualPipe needs an even P"),
+    ("mesh.pipe=2,train.pipeline_schedule=dualpipe,train.microbatches=3",
+     r"^train.microbatches=3: --mesh pipe=2 with train.pipeline_schedule='dualpipe': "
+     r"num_microbatches=3"),
     ("train.seq_len=4096", r"train.seq_len=4096: must be <= model.max_position_embeddings"),
     ("train.warmup_steps=200", r"train.warmup_steps=200: must be < the schedule length 200 "
                                r"\(train.steps, as train.schedule_steps is unset\); lower it, "
@@ -44,7 +50,7 @@ def test_overrides_are_parsed_by_field_type_and_validated():
 ])
 def test_bad_overrides_name_field_value_and_rule(override, message):
     with pytest.raises(ConfigError, match=message):
-        apply_overrides(get_experiment_preset("tiny"), [override])
+        apply_overrides(get_experiment_preset("tiny"), override.split(","))
 
 
 def test_unknown_preset_lists_the_known_ones():

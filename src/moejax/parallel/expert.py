@@ -43,6 +43,7 @@ from moejax.parallel.sharding import (BATCH, check_batch_divides, manual_batch_a
                                       mesh_batch_axes, per_device)
 
 EXPERT_AXIS = "expert"
+PIPE_AXIS = "pipe"
 TRANSPORTS = ("auto", "padded", "ragged")
 TOKEN_FORMATS = ("compute", "fp8")
 # ragged_all_to_all pieces: on 2 x H100 (jax 0.11.2, one process) 100 MB a device moved at
@@ -583,19 +584,26 @@ exchange_back_fp8_gradient.defvjp(_exchange_back_fp8_gradient_fwd,
                                   _exchange_back_fp8_gradient_bwd)
 
 
-def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
-                             devices_per_node: int) -> jax.Array:
-    """Node of the device at ``position`` along ``expert`` and this device's batch coordinates.
+def sender_axes() -> frozenset[str]:
+    """The mesh axes besides ``expert`` whose index places a device's tokens, read where a
+    MoE layer is called (before its own ``shard_map``): the batch axes, and ``pipe`` inside
+    the pipeline executor (manual over it), whose ranks each exchange among their own
+    devices. Axes the tokens are replicated over (pipe outside it, tensor) count at index
+    0, so every replica reports the same traffic."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return frozenset(BATCH) | ({PIPE_AXIS} if PIPE_AXIS in manual else set())
 
-    Devices are laid out row-major over the mesh axes (``moejax.parallel.mesh``), one node's
-    devices contiguous. Axes the tokens are replicated over (pipe, tensor) count at index 0,
-    so every replica reports the same traffic.
-    """
+
+def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
+                             devices_per_node: int, senders: frozenset[str]) -> jax.Array:
+    """Node of the device at ``position`` along ``expert`` and this device's coordinates on
+    the ``senders`` axes (``sender_axes``). Devices are laid out row-major over the mesh
+    axes (``moejax.parallel.mesh``), one node's devices contiguous."""
     flat = jnp.zeros((), jnp.int32)
     for axis, size in mesh_shape.items():
         if axis == EXPERT_AXIS:
             index = position
-        elif axis in BATCH and size > 1:
+        elif size > 1 and axis in senders:
             index = jax.lax.axis_index(axis)
         else:
             index = 0
@@ -604,13 +612,14 @@ def _node_of_expert_position(position: jax.Array, mesh_shape: dict[str, int],
 
 
 def cross_node_copies(copies: jax.Array, *, transport: Transport, num_local: int,
-                      mesh_shape: dict[str, int], devices_per_node: int) -> jax.Array:
+                      mesh_shape: dict[str, int], devices_per_node: int,
+                      senders: frozenset[str]) -> jax.Array:
     """How many of this device's token copies (global expert ids, experts laid out
     ``num_local`` per device along ``expert``) ``transport`` sends to a device on another
     node: a copy a capacity drops is not sent (call inside a ``shard_map`` manual over
-    ``expert``)."""
+    ``expert``; ``senders`` as ``sender_axes`` read outside it)."""
     node = functools.partial(_node_of_expert_position, mesh_shape=mesh_shape,
-                             devices_per_node=devices_per_node)
+                             devices_per_node=devices_per_node, senders=senders)
     ep = mesh_shape[EXPERT_AXIS]
     sent = transport.sent_per_destination(jnp.bincount(copies // num_local, length=ep))
     remote = node(jnp.arange(ep)) != node(jax.lax.axis_index(EXPERT_AXIS))
@@ -619,8 +628,8 @@ def cross_node_copies(copies: jax.Array, *, transport: Transport, num_local: int
 
 def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: ExpertWeights, *,
                 config: ModelConfig, ep: int, batch_axes: tuple[str, ...],
-                mesh_shape: dict[str, int], options: ExpertParallelOptions,
-                devices_per_node: int, run_experts: RunExperts
+                mesh_shape: dict[str, int], senders: frozenset[str],
+                options: ExpertParallelOptions, devices_per_node: int, run_experts: RunExperts
                 ) -> tuple[jax.Array, RoutingStats]:
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
@@ -649,7 +658,8 @@ def _shard_body(x: jax.Array, router: jax.Array, bias: jax.Array, weights: Exper
 
     balance = balance_loss(routing, batch, config)
     cross_node = cross_node_copies(copies, transport=transport, num_local=num_local,
-                                   mesh_shape=mesh_shape, devices_per_node=devices_per_node)
+                                   mesh_shape=mesh_shape, devices_per_node=devices_per_node,
+                                   senders=senders)
     total = functools.partial(jax.lax.psum, axis_name=batch_axes)
     return y, RoutingStats(total(counts), jax.lax.pmean(balance, batch_axes),
                            total(received.dropped), total(cross_node))
@@ -688,7 +698,7 @@ def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
     options = current_options()
     body = functools.partial(
         _shard_body, config=config, ep=ep, batch_axes=batch_axes, mesh_shape=dict(mesh.shape),
-        options=options, devices_per_node=options.devices_per_node or jax.local_device_count(),
+        senders=sender_axes(), options=options, devices_per_node=options.devices_per_node or jax.local_device_count(),
         run_experts=run_experts)
     tokens = P(batch_axes)
     experts = ExpertWeights(P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS))

@@ -225,9 +225,14 @@ class ExperimentConfig:
             schedule = build_schedule(self.train.pipeline_schedule, self.mesh.pipe,
                                       self.num_microbatches)
         except ScheduleError as e:
-            fail("train.microbatches", self.num_microbatches,
-                 f"--mesh pipe={self.mesh.pipe} with train.pipeline_schedule="
-                 f"{self.train.pipeline_schedule!r}: {e}")
+            # the field the user sets for the schedule parameter that broke a rule
+            field, value = {"num_ranks": ("mesh.pipe", self.mesh.pipe),
+                            "name": ("train.pipeline_schedule", self.train.pipeline_schedule),
+                            }.get(e.parameter, ("train.microbatches", self.num_microbatches))
+            default = (" (the default: 2 x pipe)" if field == "train.microbatches"
+                       and self.train.microbatches is None else "")
+            fail(field, value, f"--mesh pipe={self.mesh.pipe} with train.pipeline_schedule="
+                               f"{self.train.pipeline_schedule!r}{default}: {e}")
         if schedule.num_stages > self.model.num_hidden_layers:
             fail("model.num_hidden_layers", self.model.num_hidden_layers,
                  f"must be >= the {schedule.num_stages} stages of "

@@ -96,6 +96,7 @@ from moejax.parallel.expert import (
     exchange_fp8,
     expert_layout,
     make_transport,
+    sender_axes,
     varying_over,
 )
 from moejax.parallel.sharding import manual_batch_axes, param_logical_axes, per_device
@@ -374,6 +375,7 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
     ep, batch_axes = expert_layout(config, h_any.shape[0])
     tokens = P(batch_axes)
     local_grads = bool(manual_batch_axes())
+    senders = sender_axes()  # read here: inside ``body`` every axis is manual
 
     def body(f_in, b_in):
         batch, seq, _ = (f_in[1] if f_in is not None else b_in[2]).shape
@@ -383,7 +385,7 @@ def run_pair(graphdef: nnx.GraphDef, config: ModelConfig, *,
                                    config.num_experts_per_tok, config.n_routed_experts)
         cross_node = functools.partial(
             cross_node_copies, transport=transport, num_local=config.n_routed_experts // ep,
-            mesh_shape=dict(jax.sharding.get_abstract_mesh().shape),
+            mesh_shape=dict(jax.sharding.get_abstract_mesh().shape), senders=senders,
             devices_per_node=options.devices_per_node or jax.local_device_count())
         ctx = Context(graphdef, config, transport, cos, sin, batch_axes,
                       options.token_format == "fp8", cross_node)

@@ -19,11 +19,16 @@ from typing import Callable, NoReturn
 
 
 class ScheduleError(ValueError):
-    """A schedule parameter breaks a rule; the message names parameter, value and rule."""
+    """A schedule parameter breaks a rule; the message names parameter, value and rule, and
+    ``parameter`` the parameter (a caller names its own field for it)."""
+
+    def __init__(self, parameter: str, message: str):
+        super().__init__(message)
+        self.parameter = parameter
 
 
 def _fail(name: str, value: object, rule: str) -> NoReturn:
-    raise ScheduleError(f"{name}={value!r}: {rule}")
+    raise ScheduleError(name, f"{name}={value!r}: {rule}")
 
 
 class Kind(str, enum.Enum):

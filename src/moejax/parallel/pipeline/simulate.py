@@ -31,11 +31,11 @@ class Costs:
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "comm"):
             if getattr(self, name) < 0:
-                raise ScheduleError(f"{name}={getattr(self, name)!r}: a cost must be >= 0")
+                raise ScheduleError(name, f"{name}={getattr(self, name)!r}: a cost must be >= 0")
         if self.w > self.b:
-            raise ScheduleError(f"w={self.w!r}: W is part of B, so w <= b={self.b!r}")
+            raise ScheduleError("w", f"w={self.w!r}: W is part of B, so w <= b={self.b!r}")
         if self.fb is not None and self.fb < 0:
-            raise ScheduleError(f"fb={self.fb!r}: a cost must be >= 0")
+            raise ScheduleError("fb", f"fb={self.fb!r}: a cost must be >= 0")
 
     @property
     def f_and_b(self) -> float:
@@ -147,7 +147,8 @@ def simulate(
         if not progressed:
             stuck = {r: ops[len(spans[r])].chunks for r, ops in enumerate(schedule.ops)
                      if len(spans[r]) < len(ops)}
-            raise ScheduleError(f"schedule={schedule.name!r}: deadlock, ranks wait at {stuck}")
+            raise ScheduleError("schedule", f"schedule={schedule.name!r}: deadlock, ranks wait "
+                                            f"at {stuck}")
     return Timeline(schedule, tuple(tuple(s) for s in spans))
 
 

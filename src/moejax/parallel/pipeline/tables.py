@@ -105,12 +105,13 @@ def tick_tables(schedule: Schedule) -> TickTables:
             dest = schedule.rank_of(stage, direction)
             source = {src: "local", src + 1: "left", src - 1: "right"}.get(dest)
             if source is None:
-                raise ScheduleError(f"schedule={schedule.name!r}: rank {src} sends to rank "
-                                    f"{dest}; the executor moves data between neighbours only")
+                raise ScheduleError("schedule", f"schedule={schedule.name!r}: rank {src} sends "
+                                    f"to rank {dest}; the executor moves data between "
+                                    "neighbours only")
             arrival = rows[f"{kind}_{source}"][t, dest]
             if arrival[0]:
-                raise ScheduleError(f"schedule={schedule.name!r}: two {kind} arrivals at "
-                                    f"rank {dest} from one source in tick {t}")
+                raise ScheduleError("schedule", f"schedule={schedule.name!r}: two {kind} "
+                                    f"arrivals at rank {dest} from one source in tick {t}")
             pool = (acts if kind == "act" else grads)[dest]
             arrival[:] = (1, pool.take((schedule.slot_of(stage, direction), mb)))
     return TickTables(rows, tuple(p.size for p in acts), tuple(p.size for p in grads))
