@@ -43,6 +43,10 @@ def test_shapes_of_arrays_and_nested_tuples_become_bytes():
     assert shape == (12, (16, 4), 5) and rest.startswith(" custom-call")
     assert peak.buffer_bytes(shape, "1,0") == 16 and peak.buffer_bytes(shape, "") == 24
     assert peak.parse_shape("f32[]")[0] == 4
+    # a token (send/recv, after-all) holds no bytes; sub-byte types take a byte an element
+    assert [peak.parse_shape(s)[0] for s in ("token[]", "s4[8]", "u2[3]", "f4e2m1fn[6]",
+                                             "s64[2]", "c128[1]", "f8e5m2[4]")] == [
+        0, 8, 3, 6, 16, 16, 4]
     with pytest.raises(ValueError, match="q7"):
         peak.parse_shape("q7[3]")
 

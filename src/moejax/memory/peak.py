@@ -29,18 +29,22 @@ import numpy as np
 from moejax.memory.budget import GIB, compiled_peak
 from moejax.train.config import apply_overrides, get_experiment_preset
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_BYTES = {"token": 0, "pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+_SIZED = re.compile(r"[fsu](\d+)(?:e\d+m\d+\w*)?")  # s32, u4, f16, f8e4m3fn, f4e2m1fn, ...
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*)")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\](?:\{[^}]*\})?")
 
 
 def _element_bytes(dtype: str) -> int:
-    if dtype.startswith("f8"):
-        return 1
-    if dtype not in _BYTES:
-        raise ValueError(f"HLO element type {dtype!r}: not one of {sorted(_BYTES)} or f8*")
-    return _BYTES[dtype]
+    """Bytes an element of HLO type ``dtype`` takes in a buffer: sub-byte types (s4, f4...)
+    one each, as XLA lays them out unless a layout packs them; a token none."""
+    if dtype in _BYTES:
+        return _BYTES[dtype]
+    sized = _SIZED.fullmatch(dtype)
+    if sized is None:
+        raise ValueError(f"HLO element type {dtype!r}: not one of {sorted(_BYTES)} or "
+                         "[fsu]<bits>")
+    return max(1, int(sized.group(1)) // 8)
 
 
 def parse_shape(text: str) -> tuple[object, str]:
