@@ -39,11 +39,10 @@ from moejax.config import ConfigError, ModelConfig
 from moejax.model.dispatch import dispatch, sorted_weights, sum_copies
 from moejax.model.expert_ffn import ExpertWeights, grouped_swiglu
 from moejax.model.routing import RoutingStats, balance_loss, route, router_logits
-from moejax.parallel.sharding import (BATCH, check_batch_divides, manual_batch_axes,
+from moejax.parallel.sharding import (BATCH, PIPE_AXIS, check_batch_divides, manual_batch_axes,
                                       mesh_batch_axes, per_device)
 
 EXPERT_AXIS = "expert"
-PIPE_AXIS = "pipe"
 TRANSPORTS = ("auto", "padded", "ragged")
 TOKEN_FORMATS = ("compute", "fp8")
 # ragged_all_to_all pieces: on 2 x H100 (jax 0.11.2, one process) 100 MB a device moved at
@@ -698,7 +697,8 @@ def expert_parallel_moe(x: jax.Array, router: jax.Array, bias: jax.Array,
     options = current_options()
     body = functools.partial(
         _shard_body, config=config, ep=ep, batch_axes=batch_axes, mesh_shape=dict(mesh.shape),
-        senders=sender_axes(), options=options, devices_per_node=options.devices_per_node or jax.local_device_count(),
+        senders=sender_axes(), options=options,
+        devices_per_node=options.devices_per_node or jax.local_device_count(),
         run_experts=run_experts)
     tokens = P(batch_axes)
     experts = ExpertWeights(P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS))

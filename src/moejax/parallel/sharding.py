@@ -41,6 +41,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 
 STACKED = ("dense_blocks", "moe_blocks")  # top-level attributes with a leading layer axis
 BATCH = ("data", "expert")  # dense activations: batch over data x expert
+PIPE_AXIS = "pipe"  # the pipeline's ranks
 
 ZeroStage = Literal[1, 3]
 

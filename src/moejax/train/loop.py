@@ -309,10 +309,12 @@ class Trainer:
                         if DEVICE_LOAD in record:
                             device_loads.append(record[DEVICE_LOAD])
                     current = done.step == step  # the state is this step's
-                    if current and self._saves(step):  # first: an eval that fails loses nothing
+                    saves, evaluates = (current and self._saves(step),
+                                        current and self._evaluates(step))
+                    if saves:  # first: an eval that fails loses nothing
                         self.ckpt.save(step, state, train_iter.get_state(),
                                        ema.arrays() if ema else None)
-                    if current and self._evaluates(step):
+                    if evaluates:
                         record["eval_loss"] = evals[step] = self._evaluate(
                             eval_step, state, batch_sh)
                         if ema:  # the EMA visits the device only for the eval's duration
@@ -320,7 +322,7 @@ class Trainer:
                             record["ema_eval_loss"] = ema_evals[step] = self._evaluate(
                                 eval_step, state._replace(params=ema_params), batch_sh)
                             del ema_params
-                    if current and (self._saves(step) or self._evaluates(step)):
+                    if saves or evaluates:
                         last = time.perf_counter()  # save and eval time are not step time
                     metrics_log.write(record)
                     if (done.step % tc.log_every == 0 or done.step == first + 1

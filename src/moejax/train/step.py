@@ -205,7 +205,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ExperimentConfig, *,
         # A non-finite step consumes its batch; a halted one leaves even the count.
         new = new._replace(step=state.step + live.astype(state.step.dtype))
         metrics = {"loss": main, "mtp_loss": mtp, "aux_loss": out.aux_loss,
-                   "total_loss": total, "grad_norm": grad_norm, "lr": schedule(updates_applied(state.opt_state)),
+                   "total_loss": total, "grad_norm": grad_norm,
+                   "lr": schedule(updates_applied(state.opt_state)),
                    "finite": finite, "dropped_tokens": out.dropped_tokens,
                    "cross_node_tokens": out.cross_node_tokens,
                    **load_balance(out.expert_counts, cfg.mesh.expert)}

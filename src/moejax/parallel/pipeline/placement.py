@@ -35,9 +35,7 @@ from flax import nnx
 from moejax.parallel.pipeline.schedule import Schedule
 from moejax.parallel.pipeline.stages import StagePlan
 from moejax.parallel.pipeline.storage import map_leaves, stack_lengths, stored_length
-from moejax.parallel.sharding import STACKED
-
-PIPE_AXIS = "pipe"
+from moejax.parallel.sharding import PIPE_AXIS, STACKED
 
 
 def sum_over_pipe(x: Any) -> Any:
