@@ -17,7 +17,10 @@ text) after every ``--eval-every`` steps and after the last: one batch's trainin
 swings by several percent from step to step, the held-out mean does not. ``--seeds N``
 trains each precision from N seeds (one compile each) and sets each seed's FP8 - BF16 gap
 beside the spread of one precision's runs across seeds: how far two runs of the same
-arithmetic drift apart is the floor under any gap a run this short can show.
+arithmetic drift apart is the floor under any gap a run this short can show. Every seed
+scores on the same held-out text, so runs from separate processes compare too. On the GPU
+even one seed's two runs part (session 59: at step 2, and by 2.5% of held-out loss after
+500 steps), so read a gap from the mean over several seeds.
 
 ``--profile DIR`` runs one more step of each run, then traces three, and accounts for the
 step time the MFU figure leaves out: device busy time per kernel category
@@ -68,6 +71,7 @@ from moejax.train.step import (attention_implementation, layer_loop, make_eval_s
 LOSS_WINDOW = 20  # steps per mean in the loss comparison
 PROFILED_STEPS = 3  # steps a --profile trace holds
 GIB = 2**30
+HELD_OUT_SEED = 0  # the held-out windows' offsets, the same for every training seed
 
 
 @dataclasses.dataclass
@@ -86,7 +90,12 @@ class RunResult:
 def text_batches(steps: int, batch: int, seq: int, seed: int, held_out: int = 0
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(steps, batch, seq+1) windows of byte-tokenized stdlib text at seeded offsets, and
-    (held_out, batch, seq+1) windows from text after all of them (never trained on)."""
+    (held_out, batch, seq+1) windows from text after all of them (never trained on).
+
+    The held-out offsets come from ``HELD_OUT_SEED``, not ``seed``: every run of these
+    sizes scores on the same text, whichever seed it trained from and in whichever
+    process (session 59 compared runs from separate processes whose held-out sets had
+    followed their first seed)."""
     window = batch * (seq + 1)
     train_need, eval_need = steps * window * 4, held_out * window * 4
     tokenizer, chunks, have = ByteTokenizer(), [], 0
@@ -99,7 +108,8 @@ def text_batches(steps: int, batch: int, seq: int, seed: int, held_out: int = 0
     cut = len(stream) * train_need // (train_need + eval_need)
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, cut - seq - 1, (steps, batch))
-    eval_starts = (rng.integers(cut, len(stream) - seq - 1, (held_out, batch)) if held_out
+    eval_starts = (np.random.default_rng(HELD_OUT_SEED).integers(
+        cut, len(stream) - seq - 1, (held_out, batch)) if held_out
                    else np.zeros((0, batch), np.int64))
     return (stream[starts[..., None] + np.arange(seq + 1)],
             stream[eval_starts[..., None] + np.arange(seq + 1)])
@@ -489,10 +499,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps:
         runs, held_out = [], None
         for seed in range(tc.seed, tc.seed + args.seeds):
-            batches, held = text_batches(tc.steps, tc.batch_size, tc.seq_len, seed,
-                                         args.eval_batches)
+            batches, held_out = text_batches(tc.steps, tc.batch_size, tc.seq_len, seed,
+                                             args.eval_batches)  # one held-out set for all
             runs.append((seed, batches))
-            held_out = held if held_out is None else held_out  # one held-out set for all
         results = {p: train(apply_overrides(cfg, [f"train.precision={p}"]), runs,
                             args.profile, held_out, args.eval_every) for p in precisions}
         print_runs({p: r[0] for p, r in results.items()}, cfg)

@@ -399,6 +399,10 @@ def test_study_reports_held_out_loss_on_text_it_never_trained_on(capsys):
     assert train_windows.shape == (3, 2, 33) and held_out.shape == (2, 2, 33)
     seen = {w.tobytes() for w in train_windows.reshape(-1, 33)}
     assert not seen & {w.tobytes() for w in held_out.reshape(-1, 33)}
+    # another seed trains on other windows and scores on the same held-out text
+    other_windows, other_held_out = text_batches(3, 2, 32, seed=2, held_out=2)
+    assert not np.array_equal(other_windows, train_windows)
+    np.testing.assert_array_equal(other_held_out, held_out)
     precision_study_main(["--preset", "tiny", "--set", "model.num_hidden_layers=2",
                           "--steps", "3", "--batch", "2", "--seq", "32", "--fit-seq", "0",
                           "--eval-batches", "2", "--eval-every", "2", "--seeds", "2"])
