@@ -135,6 +135,12 @@ BASE = get_model_preset("tiny")
     (dict(first_k_dense_replace=9), "first_k_dense_replace=9", "num_hidden_layers=4"),
     (dict(q_lora_rank=-1), "q_lora_rank=-1", "positive integer or None"),
     (dict(n_group=16, topk_group=1, num_experts_per_tok=1), "n_group=16", ">= 2 experts"),
+    # NaN passes a plain `<= 0` check; a config.json's None or "2.5" raised a bare TypeError
+    (dict(aux_loss_alpha=float("nan")), "aux_loss_alpha=nan", "finite number >= 0"),
+    (dict(routed_scaling_factor=float("inf")), "routed_scaling_factor=inf", "finite number > 0"),
+    (dict(rms_norm_eps=None), "rms_norm_eps=None", "finite number > 0"),
+    (dict(rope_theta="1e4"), "rope_theta='1e4'", "finite number > 0"),
+    (dict(norm_topk_prob="no"), "norm_topk_prob='no'", "true or false"),
 ])
 def test_config_validation_names_field_value_rule(changes, field, rule):
     with pytest.raises(ConfigError) as err:

@@ -9,6 +9,7 @@ the rule, so nothing downstream has to re-check.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, NoReturn
 
 
@@ -19,6 +20,22 @@ class ConfigError(ValueError):
 def fail(field: str, value: Any, rule: str) -> NoReturn:
     """Raises the one ConfigError shape every config uses: field, value, rule."""
     raise ConfigError(f"{field}={value!r}: {rule}")
+
+
+def check_finite(field: str, value: Any, low: float, *, strict: bool) -> None:
+    """``value`` must be a finite real number above ``low`` (``strict``) or at least ``low``.
+    Why a helper: NaN passes a plain ``value <= 0`` check (a NaN loss weight then makes every
+    step non-finite, a run that never trains), and a string or None from a config.json
+    raised a TypeError that named no field."""
+    real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and (value > low if strict else value >= low)):
+        fail(field, value, f"must be a finite number {'>' if strict else '>='} {low:g}")
+
+
+def check_bool(field: str, value: Any) -> None:
+    """A flag must be a bool: the string "no" from a config.json is truthy."""
+    if not isinstance(value, bool):
+        fail(field, value, "must be true or false")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +53,9 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.type != "yarn":
             fail("rope_scaling.type", self.type, "only 'yarn' is supported")
-        if self.factor < 1.0:
-            fail("rope_scaling.factor", self.factor, "must be >= 1")
+        check_finite("rope_scaling.factor", self.factor, 1.0, strict=False)
+        for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            check_finite(f"rope_scaling.{name}", getattr(self, name), 0.0, strict=False)
         if self.original_max_position_embeddings <= 0:
             fail("rope_scaling.original_max_position_embeddings",
                   self.original_max_position_embeddings, "must be > 0")
@@ -115,14 +133,12 @@ class ModelConfig:
             fail("num_experts_per_tok", self.num_experts_per_tok,
                   f"must be <= the {reachable} experts that topk_group={self.topk_group} "
                   f"groups of {per_group} can hold")
-        if self.routed_scaling_factor <= 0:
-            fail("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
-        if self.rms_norm_eps <= 0:
-            fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        if self.rope_theta <= 0:
-            fail("rope_theta", self.rope_theta, "must be > 0")
-        if self.aux_loss_alpha < 0:
-            fail("aux_loss_alpha", self.aux_loss_alpha, "must be >= 0")
+        for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):
+            check_finite(name, getattr(self, name), 0.0, strict=True)
+        for name in ("aux_loss_alpha", "initializer_range"):
+            check_finite(name, getattr(self, name), 0.0, strict=False)
+        for name in ("norm_topk_prob", "rope_interleave", "tie_word_embeddings"):
+            check_bool(name, getattr(self, name))
         if isinstance(self.rope_scaling, Mapping):  # accept the JSON form
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 

@@ -14,7 +14,8 @@ import types
 import typing
 from typing import Any
 
-from moejax.config import ConfigError, ModelConfig, MODEL_PRESETS, fail, get_model_preset
+from moejax.config import (ConfigError, ModelConfig, MODEL_PRESETS, check_finite, fail,
+                           get_model_preset)
 from moejax.memory.remat import POLICIES as REMAT_POLICIES
 from moejax.model.attention import ATTENTION_IMPLEMENTATIONS
 from moejax.parallel.expert import ExpertParallelOptions
@@ -105,8 +106,7 @@ class TrainConfig:
             fail("train.warmup_steps", self.warmup_steps,
                  f"must be < the schedule length {self.total_schedule_steps} ({length}); "
                  "lower it, or for a run shorter than its schedule set train.schedule_steps")
-        if not self.lr > 0:
-            fail("train.lr", self.lr, "must be > 0")
+        check_finite("train.lr", self.lr, 0.0, strict=True)
         if not 0 <= self.min_lr_ratio <= 1:
             fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         for name in ("beta1", "beta2"):
@@ -115,10 +115,9 @@ class TrainConfig:
         if not 0 < self.wsd_decay_fraction <= 1:
             fail("train.wsd_decay_fraction", self.wsd_decay_fraction, "must be in (0, 1]")
         for name in ("eps", "weight_decay", "grad_clip", "mtp_lambda", "bias_update_rate"):
-            if not getattr(self, name) >= 0:
-                fail(f"train.{name}", getattr(self, name), "must be >= 0")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            fail("train.peak_tflops", self.peak_tflops, "must be > 0 or None")
+            check_finite(f"train.{name}", getattr(self, name), 0.0, strict=False)
+        if self.peak_tflops is not None:
+            check_finite("train.peak_tflops", self.peak_tflops, 0.0, strict=True)
         for name, allowed in (("schedule", SCHEDULES), ("moments_dtype", DTYPES),
                               ("compute_dtype", DTYPES), ("nonfinite", NONFINITE_POLICIES),
                               ("remat", REMAT_POLICIES), ("precision", PRECISIONS),
