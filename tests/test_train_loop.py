@@ -273,10 +273,13 @@ def test_replicated_arrays_are_saved_and_restored_without_compiling(tmp_path, ca
 def test_the_run_dir_records_the_config_each_resume_runs_under(tmp_path):
     """A resume may change the resumable fields; the run dir then records the new values
     (what its next checkpoints are written under), and a refused config is not recorded.
-    A run dir without checkpoints (its run failed before the first save) is taken over."""
+    A run dir without checkpoints (its run failed before the first save) is taken over;
+    checkpoints whose config.json is gone are refused (nothing to check them against)."""
     first = {"train": {"steps": 3, "batch_size": 4}}
     longer = {"train": {"steps": 5, "batch_size": 4}}
-    assert check_config(tmp_path, first, has_checkpoints=True) is None
+    with pytest.raises(ConfigError, match=r"holds checkpoints but no config.json"):
+        check_config(tmp_path, first, has_checkpoints=True)
+    assert check_config(tmp_path, first, has_checkpoints=False) is None
     assert check_config(tmp_path, longer, has_checkpoints=True) == first
     with pytest.raises(ConfigError, match=r"train.batch_size: 4 -> 2"):
         check_config(tmp_path, {"train": {"steps": 5, "batch_size": 2}}, has_checkpoints=True)

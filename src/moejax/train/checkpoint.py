@@ -92,13 +92,20 @@ def check_config(run_dir: pathlib.Path, config: dict, *, has_checkpoints: bool,
     saves need), so all of them refuse a config together, and process 0 records it.
 
     Raises ConfigError naming every differing field that would make the run dir's
-    checkpoints belong to another experiment. Returns the configuration recorded before
+    checkpoints belong to another experiment, or where checkpoints have no recorded config. Returns the configuration recorded before
     (None where none is checked); the file then holds ``config``, the one the next
     checkpoints are written under. It is replaced whole (a new file renamed over it), so a
     kill mid-write leaves the old one.
     """
     path = pathlib.Path(run_dir) / CONFIG_FILE
-    recorded = json.loads(path.read_text()) if has_checkpoints and path.is_file() else None
+    if has_checkpoints and not path.is_file():
+        # A run records its config before its first save, so the file was removed: without
+        # it nothing would stop a resume under another model, whose arrays the lenient
+        # restore would then cut off or zero-fill.
+        raise ConfigError(f"run dir {run_dir} holds checkpoints but no {CONFIG_FILE}, so a "
+                          "resume cannot check they were made by this configuration; put "
+                          f"the run's {CONFIG_FILE} back or use a new --run-dir")
+    recorded = json.loads(path.read_text()) if has_checkpoints else None
     if recorded is not None:
         old, new = flatten(recorded), flatten(config)
         changed = [k for k in sorted(set(old) | set(new))
