@@ -15,7 +15,7 @@ from moejax.data.tokenizer import ByteTokenizer
 from moejax.train import loop
 from moejax.train.checkpoint import Checkpointer, check_config
 from moejax.train.config import CheckpointConfig, apply_overrides, get_experiment_preset
-from moejax.train.metrics import read_metrics
+from moejax.train.metrics import MetricsLog, read_metrics
 from moejax.train.optimizer import updates_applied
 from moejax.train.step import state_initializer, whole_batch
 
@@ -329,3 +329,18 @@ def test_start_up_line_says_which_exchange_settings_have_no_effect():
         "axis: every token reaches its experts on its own device)")
     spread = apply_overrides(capped, ["mesh.expert=2"])
     assert loop.exchange_note(spread) == "expert transport padded (tokens travel as compute)"
+
+
+def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_the_resume(tmp_path):
+    """A process killed mid-line leaves a last line with no newline: the resume drops it
+    (its step is re-run); a bad line anywhere else is an error naming the line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    log = MetricsLog(tmp_path, resume_step=2)
+    log.write({"step": 3, "loss": 2.3})
+    log.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a metrics record"):
+        read_metrics(path)

@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from moejax.atomic_file import write_atomically
 from moejax.config import ConfigError
 from moejax.train.config import CheckpointConfig
 
@@ -123,9 +124,7 @@ def check_config(run_dir: pathlib.Path, config: dict, *, has_checkpoints: bool,
     if not record:
         return recorded
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{CONFIG_FILE}.{os.getpid()}")
-    partial.write_text(json.dumps(config, indent=1))
-    os.replace(partial, path)
+    write_atomically(path, json.dumps(config, indent=1))
     return recorded
 
 

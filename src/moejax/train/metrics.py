@@ -11,6 +11,8 @@ import math
 import pathlib
 from typing import Any, TextIO
 
+from moejax.atomic_file import write_atomically
+
 METRICS_FILE = "metrics.jsonl"
 # with an expert axis: tokens on the busiest device over the mean (``step.load_balance``)
 DEVICE_LOAD = "expert_device_load_max_over_mean"
@@ -41,7 +43,8 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [line for line in read_metrics(self.path)
                 if resume_step is not None and line.get("step", 0) <= resume_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        # replaced whole: a kill during the cut leaves the old history, not an empty file
+        write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -55,11 +58,25 @@ class MetricsLog:
 
 
 def read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
-    """Every record of a metrics file (an absent file has none)."""
+    """Every record of a metrics file (an absent file has none). A last line cut short (the
+    process was killed while writing it, so it has no newline) is dropped: its step is
+    re-run after the resume. Any other line that does not parse is an error naming it."""
     path = pathlib.Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise ValueError(f"{path}, line {number}: not a metrics record ({err})") from err
+    return records
 
 
 def progress_line(record: dict[str, Any]) -> str:
