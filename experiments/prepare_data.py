@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import pathlib
-import shutil
 import sys
 
 from moejax.data.corpus import EMBEDDED, stdlib_documents, text_folder_documents
@@ -34,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated file endings to read")
     p.add_argument("--heldout-every", type=int, default=50,
                    help="every N-th document is held out (0: none)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing OUT folder (kept if the build fails)")
     return p.parse_args(argv)
 
 
@@ -70,10 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"training BPE ({args.vocab_size} ids) on {args.bpe_sample_mb} MB ...")
             tokenizer = BPETokenizer.train(_bpe_sample(sample, args.bpe_sample_mb),
                                            args.vocab_size)
-        if args.out.exists():
-            shutil.rmtree(args.out)
         info = write_shards(docs, args.out, tokenizer, source=str(args.source),
-                            heldout_every=args.heldout_every)
+                            heldout_every=args.heldout_every, replace=args.overwrite)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,11 +1,13 @@
 """Shards and the Grain pipeline: packing, seeded order, per-process slices, resumption."""
 
+import os
 import random
 
 import numpy as np
 import pytest
 
-from moejax.data.corpus import stdlib_files
+from moejax.data import corpus
+from moejax.data.corpus import embedded_shards, stdlib_files
 from moejax.data.pipeline import LoaderSpec, make_dataset
 from moejax.data.shards import (DataError, open_split, read_info, unigram_entropy,
                                 write_shards)
@@ -99,3 +101,30 @@ def test_embedded_corpus_is_the_stdlib_without_tests():
     files = stdlib_files()
     assert len(files) > 100
     assert not any("test" in p.parts or "site-packages" in p.parts for p in files)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o027, 0o750)])
+def test_shard_folders_get_the_mode_of_a_plain_mkdir(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        write_shards(["text"], tmp_path / "s", ByteTokenizer(), source="x", heldout_every=0)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "s").stat().st_mode & 0o777 == mode
+
+
+def test_embedded_corpus_build_errors_name_the_folder_and_the_os_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DataError, match=r"file/cache/stdlib-.*cannot build.*Not a directory") as e:
+        embedded_shards(tmp_path / "file" / "cache")
+    assert isinstance(e.value.__cause__, NotADirectoryError)
+
+
+def test_embedded_corpus_keeps_a_folder_a_concurrent_writer_finished_first(tmp_path,
+                                                                          monkeypatch):
+    def racing_write(docs, out, tokenizer, **kw):
+        write_shards(["theirs"], out, tokenizer, source="other writer", heldout_every=0)
+        return write_shards(["mine"], out, tokenizer, source="x", heldout_every=0)
+
+    monkeypatch.setattr(corpus, "write_shards", racing_write)
+    assert read_info(embedded_shards(tmp_path)).source == "other writer"

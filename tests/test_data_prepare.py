@@ -50,3 +50,19 @@ def test_bad_folders_are_one_line_errors(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err
     assert (tmp_path / "exists").is_dir()
+
+
+def test_overwrite_swaps_in_the_new_folder_and_keeps_the_old_one_if_the_build_fails(
+        text_dir, tmp_path, capsys):
+    folder, _ = text_dir
+    out = tmp_path / "shards"
+    assert main([str(folder), str(out), "--heldout-every", "0"]) == 0
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    assert main([str(tmp_path / "blank"), str(out), "--overwrite"]) == 2
+    assert "no text to train on" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+    assert main([str(folder), str(out), "--overwrite", "--heldout-every", "4"]) == 0
+    assert read_info(out).documents == {"train": 9, "val": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank", "shards", "texts"]

@@ -13,7 +13,7 @@ import sys
 import sysconfig
 from typing import Iterator
 
-from moejax.data.shards import DataError, iter_text_files, read_info, write_shards
+from moejax.data.shards import META, DataError, iter_text_files, write_shards
 from moejax.data.tokenizer import ByteTokenizer
 
 EMBEDDED = "embedded"
@@ -45,15 +45,17 @@ def embedded_shards(cache_dir: pathlib.Path | None = None, *,
     """The shard folder of the embedded corpus (byte tokenizer), built on first use."""
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
     out = (cache_dir or default_cache_dir()) / f"stdlib-{version}-byte-h{heldout_every}"
-    if not (out / "meta.json").is_file():
+    if not (out / META).is_file():
         if not stdlib_files():
             raise DataError(f"no standard-library sources under {stdlib_root()}")
         try:
             write_shards(stdlib_documents(), out, ByteTokenizer(),
                          source=f"python{sys.version_info.major}.{sys.version_info.minor} "
                                 f"stdlib ({stdlib_root()})", heldout_every=heldout_every)
-        except OSError:
-            read_info(out)  # a concurrent writer finished first; its folder must be whole
+        except OSError as err:
+            if not (out / META).is_file():  # else a concurrent writer finished it first
+                raise DataError(f"{out}: cannot build the embedded corpus shards ({err}); "
+                                "set MOEJAX_DATA_CACHE to a writable folder") from err
     return out
 
 

@@ -11,8 +11,8 @@ import dataclasses
 import json
 import os
 import pathlib
+import secrets
 import shutil
-import tempfile
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -45,13 +45,37 @@ def is_heldout(index: int, every: int) -> bool:
     return every > 0 and index % every == every - 1
 
 
+def _sibling(out_dir: pathlib.Path, tag: str) -> pathlib.Path:
+    """A fresh hidden path next to ``out_dir``, so renames between them stay on one disk."""
+    return out_dir.parent / f".{out_dir.name}.{tag}-{secrets.token_hex(8)}"
+
+
+def _install(tmp: pathlib.Path, out_dir: pathlib.Path, replace: bool) -> None:
+    """Renames the finished ``tmp`` to ``out_dir``. With ``replace`` an old ``out_dir`` is
+    moved aside first and deleted only once the new one is in place."""
+    if not (replace and out_dir.exists()):
+        os.rename(tmp, out_dir)  # fails if another writer got there first: theirs stands
+        return
+    old = _sibling(out_dir, "old")
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        os.rename(old, out_dir)
+        raise
+    shutil.rmtree(old)
+
+
 def write_shards(documents: Iterable[str], out_dir: pathlib.Path, tokenizer: Tokenizer, *,
-                 source: str, heldout_every: int = 50,
-                 shard_tokens: int = 1 << 24) -> ShardInfo:
-    """Tokenises ``documents`` (in order) into train/val shards under a new ``out_dir``."""
+                 source: str, heldout_every: int = 50, shard_tokens: int = 1 << 24,
+                 replace: bool = False) -> ShardInfo:
+    """Tokenises ``documents`` (in order) into train/val shards under a new ``out_dir``;
+    ``replace`` swaps out an existing ``out_dir``, which stays intact if this fails."""
     out_dir = pathlib.Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    # A plain mkdir, not mkdtemp (mode 0700): the folder gets the umask's mode like any other.
+    tmp = _sibling(out_dir, "tmp")
+    tmp.mkdir()
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     buffers: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     filled = dict.fromkeys(SPLITS, 0)
@@ -89,7 +113,7 @@ def write_shards(documents: Iterable[str], out_dir: pathlib.Path, tokenizer: Tok
                          source_bytes=source_bytes)
         (tmp / TOKENIZER).write_text(json.dumps(tokenizer.to_json()))
         (tmp / META).write_text(json.dumps(dataclasses.asdict(info), indent=1))
-        os.rename(tmp, out_dir)  # fails if another writer got there first: theirs stands
+        _install(tmp, out_dir, replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
