@@ -4,6 +4,7 @@ import random
 import string
 
 import numpy as np
+import pytest
 
 from moejax.data.tokenizer import (EOS_ID, BPETokenizer, ByteTokenizer,
                                    tokenizer_from_json)
@@ -41,3 +42,14 @@ def test_bpe_round_trips_compresses_and_survives_json():
     again = tokenizer_from_json(tok.to_json())
     np.testing.assert_array_equal(again.encode(unseen), ids)
     assert EOS_ID not in ids
+
+
+@pytest.mark.parametrize("make", [ByteTokenizer, lambda: BPETokenizer([(104, 105)])])
+def test_decode_names_an_id_outside_the_vocabulary(make):
+    """A model's head may be wider than its tokenizer; a negative id must not wrap around."""
+    tokenizer = make()
+    assert tokenizer.decode([104, 105]) == "hi"
+    for bad in (tokenizer.vocab_size, -1):
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the tokenizer's "
+                                             rf"vocabulary 0..{tokenizer.vocab_size - 1}"):
+            tokenizer.decode([104, bad])

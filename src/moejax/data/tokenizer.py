@@ -36,6 +36,18 @@ def _text_bytes(text: str) -> bytes:
     return text.encode("utf-8", errors="replace").replace(b"\x00", b"")
 
 
+def _text_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
+    """The ids to decode (EOS left out), each checked against the vocabulary: a model whose
+    head is wider than its tokenizer can sample ids no piece stands for, and a negative id
+    would index a piece list from its end."""
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the tokenizer's vocabulary "
+                         f"0..{vocab_size - 1} ({len(bad)} such ids of {len(ids)})")
+    return [i for i in ids if i != EOS_ID]
+
+
 class ByteTokenizer:
     """One token per UTF-8 byte; id 0 (NUL) doubles as EOS."""
 
@@ -46,7 +58,7 @@ class ByteTokenizer:
         return np.frombuffer(_text_bytes(text), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return bytes(int(i) for i in ids if i != EOS_ID).decode("utf-8", errors="replace")
+        return bytes(_text_ids(ids, self.vocab_size)).decode("utf-8", errors="replace")
 
     def to_json(self) -> dict:
         return {"kind": self.kind}
@@ -118,7 +130,7 @@ class BPETokenizer:
         return np.asarray(ids, dtype=np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return b"".join(self._pieces[int(i)] for i in ids if i != EOS_ID).decode(
+        return b"".join(self._pieces[i] for i in _text_ids(ids, self.vocab_size)).decode(
             "utf-8", errors="replace")
 
     def to_json(self) -> dict:
