@@ -344,3 +344,14 @@ def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_the_resume(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a metrics record"):
         read_metrics(path)
+
+
+def test_the_start_up_log_says_when_an_evaluation_repeats_held_out_windows():
+    cfg = _config(steps=2, every=100)
+    reads = cfg.train.eval_batches * cfg.train.batch_size
+    assert "repeat" not in loop.held_out_note(reads, cfg)
+    assert loop.held_out_note(reads - 1, cfg).endswith(
+        f"the {reads} reads repeat some of them (train.eval_batches="
+        f"{cfg.train.eval_batches - 1} reads each at most once)")
+    assert loop.held_out_note(cfg.train.batch_size - 1, cfg).endswith(
+        "the split holds fewer windows than one batch)")

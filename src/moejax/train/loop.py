@@ -158,6 +158,20 @@ def microbatch_note(cfg: ExperimentConfig) -> str:
     return ""
 
 
+def held_out_note(available: int, cfg: ExperimentConfig) -> str:
+    """What each held-out evaluation reads. The loader repeats the split, so a split with
+    fewer windows than the evaluation reads counts some of them twice: said at start-up."""
+    reads = cfg.train.eval_batches * cfg.train.batch_size
+    note = (f"held-out: {cfg.train.eval_batches} batches of {cfg.train.batch_size} "
+            f"sequences every {cfg.train.eval_every} steps, from {available:,} windows")
+    if available < reads:
+        fits = available // cfg.train.batch_size
+        note += (f"; the {reads} reads repeat some of them (" + (
+            f"train.eval_batches={fits} reads each at most once)" if fits else
+            "the split holds fewer windows than one batch)"))
+    return note
+
+
 class Trainer:
     """One run in one run dir; ``run()`` trains to ``cfg.train.steps``."""
 
@@ -176,7 +190,7 @@ class Trainer:
                               f"{self.data_info.vocab_size} ids of the data's "
                               f"{self.data_info.tokenizer} tokenizer ({self.shard_dir})")
         if cfg.train.eval_every:  # the first eval reads it: fail before training, not there
-            windows(_loader(cfg, self.shard_dir, "val"))
+            self.log(held_out_note(len(windows(_loader(cfg, self.shard_dir, "val"))), cfg))
         if trace and not resume:  # a fresh run starts at 0: refuse before Orbax's threads
             trace.window(0, cfg.train.steps)
         self.ckpt = Checkpointer(self.run_dir, cfg.checkpoint, self.log)
