@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.config import ConfigError, ModelConfig, RopeScaling
+from moejax.atomic_file import write_atomically
 from moejax.interop.safetensors_io import read_safetensors, write_safetensors
 from moejax.model import DeepseekV3
 
@@ -29,7 +30,7 @@ Path_ = tuple[str | int, ...]
 
 
 class CheckpointMismatch(ValueError):
-    """A checkpoint tensor is missing or has the wrong shape for the config."""
+    """A checkpoint tensor is missing, has the wrong shape for the config, or is unused."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class Row:
 
     path: Path_
     entry: Entry
-    prefixes: tuple[str, ...] | None = None  # None: one unstacked array, full names
+    prefixes: tuple[str, ...] | None = None  # None: one unstacked array (MTP's too), full names
 
 
 def _block_entry(path: Path_, num_experts: int) -> Entry:
@@ -109,6 +110,11 @@ def _block_entry(path: Path_, num_experts: int) -> Entry:
     if path[-1] == "kernel":
         return Entry("transpose", (dotted[:-len("kernel")] + "weight",))
     return Entry("copy", (dotted,))
+
+
+def _mtp_prefix(config: ModelConfig, depth: int) -> str:
+    """DeepSeek-V3 stores MTP depth ``depth`` (0-based) as the layer after the last block."""
+    return f"model.layers.{config.num_hidden_layers + depth}."
 
 
 def _leaf_paths(module: nnx.Module) -> list[Path_]:
@@ -130,14 +136,14 @@ def _table(model: DeepseekV3) -> Iterator[Row]:
             for path in _leaf_paths(stack):
                 yield Row((attr,) + path, _block_entry(path, c.n_routed_experts), prefixes)
     mtp_renames = {("norm", "weight"): Entry("copy", ("shared_head.norm.weight",))}
-    for d, module in enumerate(model.mtp):
-        prefix = (f"model.layers.{c.num_hidden_layers + d}.",)
+    for d, module in enumerate(model.mtp):  # one array per depth, not stacked: full names
+        prefix = _mtp_prefix(c, d)
         for path in _leaf_paths(module):
             inner = path[1:] if path[0] == "block" else path
             entry = mtp_renames.get(path) or _block_entry(inner, c.n_routed_experts)
-            yield Row(("mtp", d) + path, entry, prefix)
+            yield Row(("mtp", d) + path, Entry(entry.kind, tuple(prefix + n for n in entry.names)))
     rows = [f"model.layers.{c.first_k_dense_replace + j}." for j in range(c.num_moe_layers)]
-    rows += [f"model.layers.{c.num_hidden_layers + d}." for d in range(len(model.mtp))]
+    rows += [_mtp_prefix(c, d) for d in range(len(model.mtp))]
     yield Row(("router_bias",), Entry("copy", ("mlp.gate.e_score_correction_bias",)),
               tuple(rows[:model.router_bias.shape[0]]))
 
@@ -210,9 +216,25 @@ def _tensor(tensors: dict[str, np.ndarray], name: str, expected: tuple[int, ...]
 
 def _has_mtp(tensors: dict[str, np.ndarray], config: ModelConfig) -> int:
     depth = 0
-    while f"model.layers.{config.num_hidden_layers + depth}.eh_proj.weight" in tensors:
+    while _mtp_prefix(config, depth) + "eh_proj.weight" in tensors:
         depth += 1
     return depth
+
+
+# DeepSeek's checkpoints repeat the embedding and the output head in every MTP layer;
+# moejax's MTP modules share the main model's, so these copies are deliberately not read.
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+_SCALE = "_scale_inv"  # an FP8 weight's block scales, read with the weight
+
+
+def _check_all_used(tensors: dict[str, np.ndarray], used: set[str], path: Path) -> None:
+    """Tensors the config has no place for (an expert or layer too many) are an error."""
+    unused = sorted(n for n in tensors if n not in used
+                    and not (n.endswith(_SCALE) and n[:-len(_SCALE)] in used))
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise CheckpointMismatch(f"{path}: the config has no place for {len(unused)} "
+                                 f"checkpoint tensor(s): {', '.join(map(repr, unused[:5]))}{more}")
 
 
 def load(path: str | Path, dtype: jnp.dtype = jnp.bfloat16,
@@ -234,14 +256,21 @@ def load(path: str | Path, dtype: jnp.dtype = jnp.bfloat16,
                                                   param_dtype=param_dtype))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
+    used = {_mtp_prefix(config, d) + n  # skipped on purpose: count them as read
+            for d in range(len(abstract.mtp)) for n in _MTP_SHARED}
+    if config.tie_word_embeddings:  # some tied checkpoints still carry the head's copy
+        used.add("lm_head.weight")
     for row in _table(abstract):
         target = flat[row.path]
         layer_shape = target.shape if row.prefixes is None else target.shape[1:]
         expected = _hf_shape(row.entry, layer_shape)
-        layers = [_from_hf(row.entry, [_tensor(tensors, n, expected) for n in names])
-                  for names in _layer_names(row)]
+        names = _layer_names(row)
+        layers = [_from_hf(row.entry, [_tensor(tensors, n, expected) for n in layer])
+                  for layer in names]
+        used.update(n for layer in names for n in layer)
         value = layers[0] if row.prefixes is None else np.stack(layers)
         target.set_value(jnp.asarray(value, dtype=target.dtype))
+    _check_all_used(tensors, used, path)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -250,7 +279,8 @@ def load(path: str | Path, dtype: jnp.dtype = jnp.bfloat16,
 
 
 def save(model: DeepseekV3, path: str | Path) -> None:
-    """Writes config.json and model.safetensors in the HF DeepSeek-V3 layout."""
+    """Writes config.json and model.safetensors in the HF DeepSeek-V3 layout, each file
+    replaced whole: a save that fails midway never leaves a half-written file."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     flat = dict(nnx.to_flat_state(nnx.state(model)))
@@ -262,4 +292,4 @@ def save(model: DeepseekV3, path: str | Path) -> None:
             tensors.update(zip(names, _to_hf(row.entry, layer), strict=True))
     write_safetensors(path / "model.safetensors", tensors)
     config = config_to_hf(model.config)
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_atomically(path / "config.json", json.dumps(config, indent=2) + "\n")

@@ -9,11 +9,14 @@ gives NumPy the BF16/FP8 types that safetensors' own NumPy backend cannot decode
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from moejax.atomic_file import atomic_writer
 
 _DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -25,18 +28,41 @@ _DTYPES: dict[str, np.dtype] = {
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
+def _header(raw: np.ndarray, path: str | Path) -> tuple[dict, int]:
+    """The JSON header and the offset of the data after it, checked against the file size."""
+    (header_len,) = struct.unpack("<Q", raw[:8].tobytes())
+    if 8 + header_len > raw.size:
+        raise ValueError(f"{path}: the header needs bytes [8, {8 + header_len}), the file has "
+                         f"{raw.size}; is it truncated?")
+    return json.loads(raw[8:8 + header_len].tobytes()), 8 + header_len
+
+
+def _check_extent(path: str | Path, name: str, info: dict, data_size: int) -> None:
+    """A tensor's data_offsets must hold exactly its shape's bytes, inside the file."""
+    start, end = info["data_offsets"]
+    needed = math.prod(info["shape"]) * _DTYPES[info["dtype"]].itemsize
+    if end - start != needed:
+        raise ValueError(f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}) needs "
+                         f"{needed} bytes, its data_offsets [{start}, {end}] hold {end - start}")
+    if not 0 <= start <= end <= data_size:
+        raise ValueError(f"{path}: tensor {name!r} needs data bytes [{start}, {end}), the file "
+                         f"has {data_size} data bytes; is it truncated?")
+
+
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     """All tensors of one file, as read-only memory-mapped arrays."""
+    size = Path(path).stat().st_size
+    if size < 8:  # np.memmap refuses an empty file naming nothing
+        raise ValueError(f"{path}: {size} bytes, too short for the 8-byte header length")
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    (header_len,) = struct.unpack("<Q", raw[:8].tobytes())
-    header = json.loads(raw[8:8 + header_len].tobytes())
-    base = 8 + header_len
+    header, base = _header(raw, path)
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         if info["dtype"] not in _DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        _check_extent(path, name, info, raw.size - base)
         start, end = info["data_offsets"]
         flat = raw[base + start:base + end].view(_DTYPES[info["dtype"]])
         tensors[name] = flat.reshape(info["shape"])
@@ -44,12 +70,12 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
-    """Writes tensors (C order, little-endian) to one safetensors file."""
+    """Writes tensors (C order, little-endian) to one safetensors file, atomically."""
     header: dict[str, dict] = {}
     offset = 0
     arrays = []
     for name in sorted(tensors):
-        array = np.ascontiguousarray(tensors[name])
+        array = np.asarray(tensors[name], order="C")  # ascontiguousarray makes 0-d arrays 1-d
         if array.dtype not in _NAMES:
             raise ValueError(f"tensor {name!r} has dtype {array.dtype}, not storable")
         header[name] = {"dtype": _NAMES[array.dtype], "shape": list(array.shape),
@@ -58,7 +84,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
         arrays.append(array)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
-    with open(path, "wb") as f:
+    with atomic_writer(path) as f:  # a crash mid-write keeps the previous file whole
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for array in arrays:
