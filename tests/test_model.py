@@ -43,6 +43,27 @@ def test_mtp_uses_the_shared_embedding_and_head(model, ids):
     assert float(jnp.abs(grads.embed_tokens[...][ids[:, 1:].ravel()]).max()) > 0
 
 
+def test_mtp_reads_the_states_the_head_reads(ids):
+    """Depth 1 takes the main model's final-normed state and depth 2 depth 1's normed
+    output (Megatron-Core's MTP; how vLLM and SGLang serve DeepSeek-V3's MTP weights). A
+    per-channel change of a norm's weight therefore moves the next depth's logits; fed
+    the states before those norms (as before), MTP's own hnorm would cancel it."""
+    def mtp_logits(m):
+        return [np.asarray(x) for x in nnx.jit(lambda m, x: m.forward(x))(m, ids).mtp_logits]
+
+    def scaled(path: str):
+        m = DeepseekV3(TINY, rngs=nnx.Rngs(0), dtype=jnp.float32)
+        norm = m.norm if path == "main" else m.mtp[0].norm
+        gains = jax.random.uniform(jax.random.key(5), norm.weight.shape, minval=0.5, maxval=2)
+        norm.weight[...] = norm.weight[...] * gains
+        return mtp_logits(m)
+
+    base = mtp_logits(DeepseekV3(TINY, rngs=nnx.Rngs(0), dtype=jnp.float32))
+    main_scaled, depth1_scaled = scaled("main"), scaled("depth1")
+    assert all(np.abs(a - b).max() > 1e-3 for a, b in zip(base, main_scaled))
+    assert np.abs(base[1] - depth1_scaled[1]).max() > 1e-3
+
+
 def test_output_shapes_and_counts(model, ids):
     out = nnx.jit(lambda m, x: m.forward(x))(model, ids)
     batch, seq = ids.shape

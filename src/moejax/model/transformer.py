@@ -169,20 +169,27 @@ class DeepseekV3(nnx.Module):
         (B, S), with the logits never whole (``head_loss.head_cross_entropy``)."""
         return head_cross_entropy(h, self.head_kernel(), labels)
 
-    def mtp_depths(self, h: jax.Array, input_ids: jax.Array, cos: jax.Array, sin: jax.Array
-                   ) -> Iterator[tuple[int, jax.Array, RoutingStats | None]]:
+    def mtp_depths(self, normed: jax.Array, input_ids: jax.Array, cos: jax.Array,
+                   sin: jax.Array) -> Iterator[tuple[int, jax.Array, RoutingStats | None]]:
         """Per MTP depth d (1, 2, ...): its normed hidden states (b, S-d, H), which the
         shared head turns into predictions of token i+d+1, and its MoE block's routing
-        stats (None for a dense MTP block); ``h`` is the main model's last hidden state."""
+        stats (None for a dense MTP block).
+
+        ``normed`` is the main model's hidden state after its final norm, and each depth
+        hands the next its own normed output: the states the output head reads. That is
+        where Megatron-Core's MTP (which DeepSeek-V3's training recipe follows) and the
+        engines serving DeepSeek-V3's released MTP weights (vLLM, SGLang) take them, so
+        those weights load into the computation they were trained in."""
         c = self.config
         seq = input_ids.shape[1]
         biases = self.router_bias[...]
         for depth, module in enumerate(self.mtp, start=1):
             row = c.num_moe_layers + depth - 1
             bias = biases[row] if row < biases.shape[0] else None
-            h, stats = module(h[:, :seq - depth], self.embed(input_ids[:, depth:]),
+            h, stats = module(normed[:, :seq - depth], self.embed(input_ids[:, depth:]),
                               cos[:, :seq - depth], sin[:, :seq - depth], bias)
-            yield depth, module.norm(h), None if bias is None else stats
+            normed = module.norm(h)
+            yield depth, normed, None if bias is None else stats
 
     def _trunk(self, input_ids: jax.Array
                ) -> tuple[jax.Array, tuple[jax.Array, ...], _RoutingTotals]:
@@ -205,16 +212,17 @@ class DeepseekV3(nnx.Module):
                                  self.remat, self.unroll_layers)
             rows.append(stats)
 
+        normed = self.norm(h)
         mtp_normed = []
-        for _, normed, stats in self.mtp_depths(h, input_ids, cos, sin):
-            mtp_normed.append(normed)
+        for _, depth_normed, stats in self.mtp_depths(normed, input_ids, cos, sin):
+            mtp_normed.append(depth_normed)
             if stats is not None:
                 rows.append(jax.tree.map(lambda x: x[None], stats))
         if not rows:
             rows.append(jax.tree.map(lambda x: x[None][:0],
                                      RoutingStats.zeros(c.n_routed_experts)))
         stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *rows)
-        return self.norm(h), tuple(mtp_normed), _RoutingTotals(
+        return normed, tuple(mtp_normed), _RoutingTotals(
             stats.counts, c.aux_loss_alpha * stats.balance_loss.sum(), stats.dropped.sum(),
             stats.cross_node.sum())
 

@@ -158,10 +158,11 @@ def stage_back(shape: StageShape, model: DeepseekV3, h: jax.Array, tokens: jax.A
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     seq = inputs.shape[1]
     aux, dropped, cross_node = zero, none, none
-    main = model.head_loss(model.norm(h), labels)
+    normed = model.norm(h)
+    main = model.head_loss(normed, labels)
     mtp_losses = []
-    for depth, normed, stats in model.mtp_depths(h, inputs, *_rope(model, tokens)):
-        mtp_losses.append(model.head_loss(normed, labels[:, depth:]))
+    for depth, depth_normed, stats in model.mtp_depths(normed, inputs, *_rope(model, tokens)):
+        mtp_losses.append(model.head_loss(depth_normed, labels[:, depth:]))
         if stats is not None:
             counts = counts.at[c.num_moe_layers + depth - 1].set(stats.counts)
             aux = aux + c.aux_loss_alpha * stats.balance_loss
