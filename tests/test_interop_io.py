@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.config import get_model_preset
+from moejax.config import ConfigError, RopeScaling, get_model_preset
 from moejax.interop import hf, safetensors_io
 from moejax.model import DeepseekV3
 
@@ -128,3 +128,20 @@ def test_inconsistent_offsets_name_tensor_and_sizes(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.safetensors: tensor 'w' \(BF16 \[3, 2\]\) "
                                          r"needs 12 bytes, its data_offsets \[0, 8\] hold 8"):
         safetensors_io.read_safetensors(path)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("attention_factor", 1.2, r"rope_scaling.attention_factor=1.2: only None \(or absent\)"),
+    ("truncate", False, r"rope_scaling.truncate=False: only True \(or absent\)"),
+    ("low_freq_factor", 1.0, r"rope_scaling.low_freq_factor=1.0: unknown to moejax's YaRN"),
+])
+def test_yarn_keys_moejax_would_ignore_are_refused(key, value, message):
+    """A YaRN setting that changes the rotation must not load as a different model."""
+    yarn = RopeScaling(factor=4.0, original_max_position_embeddings=256)
+    values = hf.config_to_hf(get_model_preset("tiny").replace(rope_scaling=yarn))
+    for harmless in ({"attention_factor": None}, {"truncate": True}):
+        values["rope_parameters"].update(harmless)
+        assert hf.config_from_hf(values).rope_scaling == yarn
+    values["rope_parameters"][key] = value
+    with pytest.raises(ConfigError, match=message):
+        hf.config_from_hf(values)

@@ -37,6 +37,23 @@ class CheckpointMismatch(ValueError):
 # config.json <-> ModelConfig
 
 
+# YaRN keys moejax's RoPE does not read, with the value it behaves as (None: absent).
+# ``truncate`` True is the floor/ceil correction range that DeepSeek's YaRN uses.
+_YARN_AS_IF = {"attention_factor": None, "truncate": True}
+
+
+def _refuse_unsupported_yarn(rope: dict[str, Any], fields: set[str]) -> None:
+    """A YaRN key that would change the rotation and that moejax ignores is an error, not
+    a silently different model."""
+    known = fields | {"type", "rope_type", "rope_theta"}
+    for key, value in rope.items():
+        if key in known or value is None or _YARN_AS_IF.get(key, object()) == value:
+            continue
+        allowed = (f"only {_YARN_AS_IF[key]!r} (or absent)" if key in _YARN_AS_IF
+                   else f"unknown to moejax's YaRN (it reads {sorted(fields)})")
+        raise ConfigError(f"rope_scaling.{key}={value!r}: {allowed}")
+
+
 def config_from_hf(values: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from a Hugging Face DeepSeek-V3 ``config.json`` dict."""
     for key, allowed in (("hidden_act", "silu"), ("scoring_func", "sigmoid"),
@@ -52,6 +69,7 @@ def config_from_hf(values: dict[str, Any]) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "yarn":
         fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"type"}
+        _refuse_unsupported_yarn(rope, fields)
         kwargs["rope_scaling"] = RopeScaling(**{k: v for k, v in rope.items()
                                                 if k in fields and v is not None})
     elif rope_type != "default":
