@@ -145,3 +145,15 @@ def test_yarn_keys_moejax_would_ignore_are_refused(key, value, message):
     values["rope_parameters"][key] = value
     with pytest.raises(ConfigError, match=message):
         hf.config_from_hf(values)
+
+
+def test_a_tensor_in_two_files_is_refused(saved, tmp_path):
+    """Which copy would load depended on the files' order."""
+    folder = tmp_path / "twice"
+    shutil.copytree(saved[1], folder)
+    name = next(iter(safetensors_io.read_safetensors(folder / "model.safetensors")))
+    safetensors_io.write_safetensors(folder / "extra.safetensors",
+                                     {name: np.zeros(3, np.float32)})
+    with pytest.raises(hf.CheckpointMismatch, match=rf"tensor '{name}' is in both "
+                                                    r"extra.safetensors and model.safetensors"):
+        hf.load(folder)

@@ -201,12 +201,20 @@ def _layer_names(row: Row) -> list[list[str]]:
 
 
 def _read_checkpoint(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the folder's *.safetensors files (a sharded checkpoint's index is
+    not needed: all shards are read). A name in two files is refused: which copy the model
+    got would depend on the files' order."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     tensors: dict[str, np.ndarray] = {}
+    found_in: dict[str, Path] = {}
     for file in files:
-        tensors.update(read_safetensors(file))
+        for name, value in read_safetensors(file).items():
+            if name in found_in:
+                raise CheckpointMismatch(f"{path}: tensor {name!r} is in both "
+                                         f"{found_in[name].name} and {file.name}")
+            tensors[name], found_in[name] = value, file
     return tensors
 
 
