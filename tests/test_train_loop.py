@@ -2,6 +2,7 @@
 non-finite step must still stop the run on its last good state, as a loop that waits on
 every step would. Where it waits on a checkpoint's write, it says so."""
 
+import dataclasses
 import re
 
 import jax
@@ -355,3 +356,20 @@ def test_the_start_up_log_says_when_an_evaluation_repeats_held_out_windows():
         f"{cfg.train.eval_batches - 1} reads each at most once)")
     assert loop.held_out_note(cfg.train.batch_size - 1, cfg).endswith(
         "the split holds fewer windows than one batch)")
+
+
+def test_a_resume_on_other_data_is_refused(tmp_path, monkeypatch):
+    """The checkpoint records the shards its loader position counts in: the same config
+    over a rebuilt folder (or `embedded` under another Python) would resume on another
+    token stream."""
+    cfg = _config(steps=1, every=1)
+    loop.Trainer(cfg, tmp_path, resume=False, log=lambda _: None).run()
+    _, data_item = _restored(cfg, tmp_path, 1)
+    assert data_item["shards"]["tokens"]["train"] > 0 and "loader" in data_item
+    real = loop.read_info
+    monkeypatch.setattr(loop, "read_info", lambda d: dataclasses.replace(
+        real(d), source="python3.99 stdlib (elsewhere)"))
+    longer = apply_overrides(cfg, ["train.steps=2"])
+    with pytest.raises(ConfigError, match=r"is not what the checkpoint at step 1 was trained "
+                                          r"on \(source: .* -> 'python3.99 stdlib"):
+        loop.Trainer(longer, tmp_path, resume=True, log=lambda _: None).run()

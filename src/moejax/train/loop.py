@@ -269,7 +269,7 @@ class Trainer:
             if ema:
                 ema.load(ema_arrays)
                 del ema_arrays
-            train_iter.set_state(data_state)
+            train_iter.set_state(self._loader_state(data_state))
             self.log(f"resumed {self.run_dir} from step {self.resume_step}")
             change = self.recorded and schedule_change(self.recorded["train"], tc,
                                                        self.resume_step)
@@ -326,7 +326,7 @@ class Trainer:
                     saves, evaluates = (current and self._saves(step),
                                         current and self._evaluates(step))
                     if saves:  # first: an eval that fails loses nothing
-                        self.ckpt.save(step, state, train_iter.get_state(),
+                        self.ckpt.save(step, state, self._data_item(train_iter.get_state()),
                                        ema.arrays() if ema else None)
                     if evaluates:
                         record["eval_loss"] = evals[step] = self._evaluate(
@@ -400,6 +400,27 @@ class Trainer:
         for line in lines:
             self.log(line)
 
+    def _data_item(self, loader_state: dict) -> dict:
+        """A checkpoint's data item: the loader's position and the shards it counts in."""
+        return {"loader": loader_state, "shards": dataclasses.asdict(self.data_info)}
+
+    def _loader_state(self, item: dict) -> dict:
+        """The loader's position in a checkpoint's data item, after checking the shards are
+        the ones it counts in: ``data.dir=embedded`` names a corpus built for the running
+        Python, and a shard folder can be rebuilt in place, so the same config could
+        resume on another token stream. Checkpoints from before session 59 hold the
+        position alone and are taken as they are."""
+        if "loader" not in item:
+            return item
+        now = dataclasses.asdict(self.data_info)
+        if item["shards"] != now:
+            diffs = "; ".join(f"{key}: {item['shards'].get(key)!r} -> {now.get(key)!r}"
+                              for key in sorted(now) if item["shards"].get(key) != now[key])
+            raise ConfigError(f"the data in {self.shard_dir} is not what the checkpoint at "
+                              f"step {self.resume_step} was trained on ({diffs}); point "
+                              "data.dir at those shards or use a new --run-dir")
+        return item["loader"]
+
     def _nonfinite(self, step: int, state: TrainState, data_state: dict, record: dict,
                    metrics_log: MetricsLog, ema: HostEMA | None = None) -> None:
         """Skip: says so (the batch is consumed; the step's record is written with the
@@ -412,7 +433,7 @@ class Trainer:
         good = step - 1
         if self.ckpt.latest_step() != good:
             self.ckpt.save(good, state._replace(step=jnp.full_like(state.step, good)),
-                           data_state, ema.arrays() if ema else None)
+                           self._data_item(data_state), ema.arrays() if ema else None)
         raise TrainingError(
             f"non-finite loss at step {step} (loss {record['total_loss']}, grad norm "
             f"{record['grad_norm']}); the last good state (step {good}) is checkpointed in "
