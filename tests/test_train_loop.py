@@ -17,7 +17,7 @@ from moejax.train import loop
 from moejax.train.checkpoint import Checkpointer, check_config
 from moejax.train.config import CheckpointConfig, apply_overrides, get_experiment_preset
 from moejax.train.metrics import MetricsLog, read_metrics
-from moejax.train.optimizer import updates_applied
+from moejax.train.optimizer import learning_rate, updates_applied
 from moejax.train.step import state_initializer, whole_batch
 
 BAD_STEP = 3
@@ -130,6 +130,13 @@ def test_skip_trains_on_past_the_bad_batch(tmp_path, monkeypatch):
     assert saved == [BAD_STEP, BAD_STEP + 2]
     state, _ = _restored(cfg, tmp_path, BAD_STEP + 2)
     assert int(state.step) == BAD_STEP + 2 and int(updates_applied(state.opt_state)) == BAD_STEP + 1
+    # a resume that changes the LR reports the update the optimizer's count says runs next
+    monkeypatch.setattr(loop, "pipelined", lambda *args: None)
+    lower = apply_overrides(cfg, ["train.steps=6", "train.lr=1e-3"])
+    logs = []
+    loop.Trainer(lower, tmp_path, resume=True, log=logs.append).run()
+    expected = float(learning_rate(lower.train)(BAD_STEP + 1))
+    assert any(f"update {BAD_STEP + 2} runs at LR {expected:.6g}" in line for line in logs), logs
 
 
 def test_a_failed_eval_loses_no_checkpoint(tmp_path, monkeypatch):

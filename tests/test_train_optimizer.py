@@ -33,6 +33,18 @@ def test_wsd_schedule_is_flat_then_decays_over_the_last_fraction():
     assert lr[85] < lr[80] < 2e-3 and lr[99] == pytest.approx(0.0, abs=1e-9)
 
 
+
+@pytest.mark.parametrize("warmup, fraction", [(10, 1.0), (90, 0.2)])
+def test_wsd_ends_on_the_final_lr_when_warmup_leaves_less_than_the_decay(warmup, fraction):
+    """The decay is cut to the steps warmup leaves: it ran past the schedule (the last
+    update at 1.22e-4 or 5.5e-4 where the floor is 1e-4)."""
+    cfg = TrainConfig(steps=100, lr=1e-3, warmup_steps=warmup, schedule="wsd",
+                      wsd_decay_fraction=fraction, min_lr_ratio=0.1)
+    lr = learning_rate(cfg)
+    assert float(lr(warmup - 1)) == pytest.approx(1e-3)
+    assert float(lr(99)) == pytest.approx(1e-4, rel=1e-5)
+
+
 def test_adamw_matches_a_reference_and_bf16_moments_stay_bf16():
     key1, key2, key3 = jax.random.split(jax.random.key(0), 3)
     # "ln" is a stacked (layers, h) norm scale: 2-D, yet must not be decayed.

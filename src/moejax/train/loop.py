@@ -32,7 +32,7 @@ from moejax.train.checkpoint import Checkpointer, check_config
 from moejax.train.config import ExperimentConfig
 from moejax.train.flops import mfu, peak_flops, train_flops_per_token
 from moejax.train.metrics import DEVICE_LOAD, MetricsLog, progress_line
-from moejax.train.optimizer import make_optimizer, schedule_change
+from moejax.train.optimizer import make_optimizer, schedule_change, updates_applied
 from moejax.train.placement import train_state_shardings
 from moejax.train.step import (TrainState, attention_implementation, layer_loop,
                                make_eval_step, make_train_step, pipelined, state_initializer)
@@ -271,8 +271,9 @@ class Trainer:
                 del ema_arrays
             train_iter.set_state(self._loader_state(data_state))
             self.log(f"resumed {self.run_dir} from step {self.resume_step}")
-            change = self.recorded and schedule_change(self.recorded["train"], tc,
-                                                       self.resume_step)
+            # the schedule reads the optimizer's count, which skipped steps leave behind
+            change = self.recorded and schedule_change(
+                self.recorded["train"], tc, int(updates_applied(state.opt_state)))
             if change:
                 self.log(f"resume: {change}")
         first = int(state.step)

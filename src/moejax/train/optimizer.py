@@ -25,8 +25,9 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
             init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup, decay_steps=total,
             end_value=cfg.lr * cfg.min_lr_ratio)
     else:
-        decay = max(1, round(cfg.wsd_decay_fraction * total))
-        constant = max(0, total - warmup - decay)
+        # at most what warmup leaves, so the decay ends with the schedule on the final LR
+        decay = min(max(1, round(cfg.wsd_decay_fraction * total)), total - warmup)
+        constant = total - warmup - decay
         schedule = optax.join_schedules(
             [optax.linear_schedule(0.0, cfg.lr, warmup),
              optax.constant_schedule(cfg.lr),
