@@ -54,6 +54,16 @@ def _bpe_sample(docs, megabytes: float):
         yield doc
 
 
+def _refuse_out_over_source(args: argparse.Namespace) -> None:
+    """OUT must not be the source folder or hold it: replacing OUT would delete the text."""
+    if args.source == EMBEDDED:
+        return
+    source, out = pathlib.Path(args.source).resolve(), args.out.resolve()
+    if out == source or out in source.parents:
+        raise DataError(f"OUT {args.out} is or holds the source folder {args.source}; "
+                        "write the shards somewhere else")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -61,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             raise DataError(f"--heldout-every={args.heldout_every}: must be >= 0")
         if args.out.exists() and not args.overwrite:
             raise DataError(f"{args.out} already exists; pass --overwrite to replace it")
+        _refuse_out_over_source(args)
+        if args.bpe_sample_mb <= 0:
+            raise DataError(f"--bpe-sample-mb={args.bpe_sample_mb}: must be > 0")
         docs = _documents(args)
         tokenizer: Tokenizer = ByteTokenizer()
         if args.tokenizer == "bpe":
@@ -72,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                                            args.vocab_size)
         info = write_shards(docs, args.out, tokenizer, source=str(args.source),
                             heldout_every=args.heldout_every, replace=args.overwrite)
-    except DataError as e:
+    except (DataError, OSError) as e:  # OSError: an OUT that cannot be made, e.g. under a file
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: {info.source_bytes / 1e6:.2f} MB of text -> "

@@ -66,3 +66,28 @@ def test_overwrite_swaps_in_the_new_folder_and_keeps_the_old_one_if_the_build_fa
     assert main([str(folder), str(out), "--overwrite", "--heldout-every", "4"]) == 0
     assert read_info(out).documents == {"train": 9, "val": 3}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blank", "shards", "texts"]
+
+
+def test_overwrite_never_deletes_what_is_not_a_shard_folder(text_dir, tmp_path, capsys):
+    """--overwrite replaced whatever OUT named: the source folder itself (its text gone), an
+    unrelated folder, or a file (moved aside, then a traceback)."""
+    folder, _ = text_dir
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("a file")
+    for out, message in [(folder, "is or holds the source folder"),
+                         (tmp_path, "is or holds the source folder"),
+                         (other, "is not a shard folder"),
+                         (plain, "is not a shard folder"),
+                         (plain / "under", "plain.txt")]:
+        assert main([str(folder), str(out), "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+    assert (other / "keep.txt").read_text() == "mine" and plain.read_text() == "a file"
+    assert main([str(folder), str(tmp_path / "s"), "--tokenizer", "bpe",
+                 "--bpe-sample-mb", "0"]) == 2
+    assert "--bpe-sample-mb=0.0: must be > 0" in capsys.readouterr().err

@@ -72,6 +72,9 @@ def write_shards(documents: Iterable[str], out_dir: pathlib.Path, tokenizer: Tok
     """Tokenises ``documents`` (in order) into train/val shards under a new ``out_dir``;
     ``replace`` swaps out an existing ``out_dir``, which stays intact if this fails."""
     out_dir = pathlib.Path(out_dir)
+    if replace and out_dir.exists() and not (out_dir / META).is_file():
+        raise DataError(f"{out_dir} is not a shard folder (no {META}): only a folder of shards "
+                        "is replaced, never other files")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # A plain mkdir, not mkdtemp (mode 0700): the folder gets the umask's mode like any other.
     tmp = _sibling(out_dir, "tmp")
