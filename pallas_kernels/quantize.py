@@ -32,10 +32,11 @@ def scale_from_amax(amax: jax.Array) -> jax.Array:
     return jnp.where(amax == 0, 1.0, amax / FP8_MAX).astype(jnp.float32)
 
 
-def amax_from_bits(v: jax.Array, axis: int) -> jax.Array:
-    """max |v| along `axis` of FP32 v, for kernels: an integer max over the bits with the
-    sign cleared, two instructions an element. NaN patterns sort above inf, so a NaN
-    gives NaN as jnp.max does (Triton's float max would drop it)."""
+def amax_from_bits(v: jax.Array, axis: int | tuple[int, ...]) -> jax.Array:
+    """max |v| along `axis` of FP32 v: an integer max over the bits with the sign cleared,
+    two instructions an element. NaN patterns sort above inf, so a NaN always gives NaN
+    (Triton's float max drops it, and so does XLA:CPU's reduction of larger or multi-axis
+    blocks: a tile holding a NaN got a finite scale there)."""
     bits = jax.lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
     return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
 
@@ -44,13 +45,19 @@ def _to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
     return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
+def _matrix(x: jax.Array, name: str) -> tuple[int, int]:
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (rows, cols), got shape {x.shape}")
+    return x.shape
+
+
 @jax.jit
 def quantize_1x128(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x (M, K) -> (x_fp8 (M, K), scale (M, ceil(K/128))); x ~= x_fp8 * scale per tile."""
-    m, k = x.shape
-    xp = _pad_to_tiles(x.astype(jnp.float32), (1,)).reshape(m, -1, TILE)
-    scale = scale_from_amax(jnp.max(jnp.abs(xp), axis=-1))
-    q = _to_fp8(xp, scale[..., None]).reshape(m, -1)[:, :k]
+    m, k = _matrix(x, "x")
+    xp = _pad_to_tiles(x.astype(jnp.float32), (1,)).reshape(m, cdiv(k, TILE), TILE)
+    scale = scale_from_amax(amax_from_bits(xp, -1))
+    q = _to_fp8(xp, scale[..., None]).reshape(m, xp.shape[1] * TILE)[:, :k]
     return q, scale
 
 
@@ -58,11 +65,11 @@ def quantize_1x128(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def quantize_128x128(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """w (R, C) -> (w_fp8 (R, C), scale (ceil(R/128), ceil(C/128))) per 128x128 block; the
     blocks of w^T are those of w transposed, so either layout may be quantized."""
-    n, k = w.shape
+    n, k = _matrix(w, "w")
     wp = _pad_to_tiles(w.astype(jnp.float32), (0, 1))
     nb, kb = wp.shape[0] // TILE, wp.shape[1] // TILE
     blocks = wp.reshape(nb, TILE, kb, TILE)
-    scale = scale_from_amax(jnp.max(jnp.abs(blocks), axis=(1, 3)))
+    scale = scale_from_amax(amax_from_bits(blocks, (1, 3)))
     q = _to_fp8(blocks, scale[:, None, :, None]).reshape(nb * TILE, kb * TILE)[:n, :k]
     return q, scale
 
@@ -79,7 +86,16 @@ def expand_scale(scale: jax.Array, shape: tuple[int, int], row_tile: int) -> jax
 
 
 def dequantize(q: jax.Array, scale: jax.Array, row_tile: int) -> jax.Array:
-    """FP32 value of a quantized (..., rows, cols) operand (row_tile as in expand_scale)."""
+    """FP32 value of a quantized (..., rows, cols) operand (row_tile as in expand_scale).
+    The scale's shape is checked: a 1x128 scale read as 128x128 blocks (or the reverse)
+    would broadcast into wrong values, not an error."""
+    if row_tile not in (1, TILE):
+        raise ValueError(f"row_tile={row_tile}: must be 1 (1x128 tiles) or {TILE} (blocks)")
+    rows, cols = q.shape[-2:]
+    want = (*q.shape[:-2], cdiv(rows, row_tile), cdiv(cols, TILE))
+    if scale.shape != want:
+        raise ValueError(f"scale has shape {scale.shape}; q {q.shape} with row_tile={row_tile} "
+                         f"needs {want}")
     return q.astype(jnp.float32) * expand_scale(scale, q.shape[-2:], row_tile)
 
 

@@ -67,6 +67,24 @@ def test_quantize_propagates_nan():
     x = jnp.ones((2, 256), jnp.float32).at[0, 3].set(jnp.nan)
     q, s = pk.quantize_1x128(x)
     assert np.isnan(float(s[0, 0])) and np.isfinite(np.asarray(s)[1]).all()
+    # larger and multi-axis reductions: XLA:CPU's float max dropped the NaN there
+    big = jnp.zeros((256, 256), jnp.float32).at[5, 7].set(jnp.nan)
+    rows, blocks = pk.quantize_1x128(big)[1], pk.quantize_128x128(big)[1]
+    assert np.isnan(np.asarray(rows)).tolist() == [[i == 5, False] for i in range(256)]
+    assert np.isnan(np.asarray(blocks)).tolist() == [[True, False], [False, False]]
+
+
+def test_quantizers_take_empty_inputs_and_name_bad_ranks_and_scales():
+    q, s = pk.quantize_1x128(jnp.ones((0, 256)))
+    assert q.shape == (0, 256) and s.shape == (0, 2)
+    with pytest.raises(ValueError, match=r"x must be 2-D \(rows, cols\), got shape \(256,\)"):
+        pk.quantize_1x128(jnp.ones((256,)))
+    q, s = pk.quantize_1x128(jnp.ones((256, 256)))
+    with pytest.raises(ValueError, match=r"scale has shape \(256, 2\); q \(256, 256\) with "
+                                         r"row_tile=128 needs \(2, 2\)"):
+        dequantize(q, s, 128)
+    with pytest.raises(ValueError, match=r"row_tile=2: must be 1"):
+        dequantize(q, s, 2)
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
