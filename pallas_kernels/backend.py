@@ -38,13 +38,15 @@ class Ops(NamedTuple):
     grouped_matmul_tn: Callable[..., jax.Array]
 
 
-def _validate(name: str) -> str:
+def _validate(name: str, origin: str = "") -> str:
+    """``name`` if this process can run it; ``origin`` says where it came from."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown GEMM backend {name!r}; choose one of {BACKENDS}")
+        raise ValueError(f"unknown GEMM backend {name!r}{origin}; choose one of {BACKENDS}")
     if name == "mosaic" and not mosaic_common.available():
-        raise ValueError(f"GEMM backend 'mosaic' needs a Hopper (sm_90) GPU and jax >= 0.11; "
-                         f"this process has {jax.devices()[0].device_kind} and jax "
-                         f"{jax.__version__}: choose one of {BACKENDS[1:]}")
+        runnable = BACKENDS[1:] if jax.default_backend() == "gpu" else BACKENDS[2:]
+        raise ValueError(f"GEMM backend 'mosaic'{origin} needs a Hopper (sm_90) GPU and jax "
+                         f">= 0.11; this process has {jax.devices()[0].device_kind} and jax "
+                         f"{jax.__version__}: choose one of {runnable}")
     return name
 
 
@@ -97,7 +99,11 @@ def _alignment_blind(grouped_matmul_tn: Callable[..., jax.Array]) -> Callable[..
 
 def backend() -> str:
     """The backend the next traced op will use."""
-    return _validate(_override or os.environ.get(ENV_VAR) or default_backend())
+    if _override:
+        return _validate(_override)
+    if os.environ.get(ENV_VAR):
+        return _validate(os.environ[ENV_VAR], f" (from ${ENV_VAR})")
+    return default_backend()
 
 
 def set_backend(name: str | None) -> None:

@@ -5,11 +5,22 @@ are not multiples of their tiles (masking, or zero-padding K).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import ops
 from pallas_kernels.quantize import FP8, TILE, cdiv
+
+
+def _group_sizes(group_sizes: Any, groups: int) -> jax.Array:
+    """(groups,) integer sizes as int32: float sizes were truncated without a word."""
+    sizes = jnp.asarray(group_sizes)
+    _expect("group_sizes", sizes, (groups,))
+    if not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes has dtype {sizes.dtype}; expected an integer dtype")
+    return sizes.astype(jnp.int32)
 
 
 def _expect(name: str, arr: jax.Array, shape: tuple[int, ...], dtype=None) -> None:
@@ -32,8 +43,7 @@ def scaled_matmul(a, a_scale, b, b_scale, group_sizes, *, b_row_tile: int,
     _expect("b", b, (g, n, k), FP8)
     _expect("a_scale", a_scale, (m, kb), jnp.float32)
     _expect("b_scale", b_scale, (g, cdiv(n, b_row_tile), kb), jnp.float32)
-    _expect("group_sizes", group_sizes, (g,))
-    return ops().grouped_matmul(a, b, group_sizes.astype(jnp.int32), a_scale=a_scale,
+    return ops().grouped_matmul(a, b, _group_sizes(group_sizes, g), a_scale=a_scale,
                                 b_scale=b_scale, b_row_tile=b_row_tile, out_dtype=out_dtype)
 
 
@@ -65,8 +75,7 @@ def grouped_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Arra
     backward keeps no 16-bit copy of b, and no 16-bit rounding of its gradient)."""
     if a.ndim != 2 or b.ndim != 3 or a.shape[1] != b.shape[1]:
         raise ValueError(f"grouped_gemm wants a (M, K), b (G, K, N); got {a.shape}, {b.shape}")
-    _expect("group_sizes", group_sizes, (b.shape[0],))
-    out = ops().grouped_matmul(a, b.astype(a.dtype), group_sizes.astype(jnp.int32),
+    out = ops().grouped_matmul(a, b.astype(a.dtype), _group_sizes(group_sizes, b.shape[0]),
                                b_kn=True, out_dtype=a.dtype)
     return _unclonable(out)
 

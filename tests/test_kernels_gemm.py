@@ -632,3 +632,16 @@ def test_mosaic_bf16_fprop_kernel_interpreted_on_cpu(stages, out_dtype):
         want[start:end] = _f64(a)[start:end] @ _f64(b)[g]
     assert _rel(got, want) <= (1e-6 if out_dtype == jnp.float32 else 4e-3)
     assert not np.asarray(got)[ends[-1]:].any()
+
+
+def test_group_sizes_must_be_integers_and_a_bad_backend_names_its_source(monkeypatch):
+    """Float sizes were truncated silently; a list raised an AttributeError."""
+    a = jnp.ones((8, 128), jnp.bfloat16)
+    b = jnp.ones((2, 128, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"group_sizes has dtype float32; expected an integer"):
+        pk.grouped_gemm(a, b, jnp.array([3.7, 4.2]))
+    assert pk.grouped_gemm(a, b, [3, 5]).shape == (8, 16)
+    monkeypatch.setenv("MOEJAX_GEMM_BACKEND", "cuda")
+    with pytest.raises(ValueError, match=r"unknown GEMM backend 'cuda' \(from \$MOEJAX_GEMM_"
+                                         r"BACKEND\)"):
+        pk.backend()
