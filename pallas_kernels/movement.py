@@ -71,6 +71,21 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, 
     return keys % n, jnp.diff(starts).astype(jnp.int32)
 
 
+def _check_copies(op: str, rows: jax.Array, permutation: jax.Array, k: int,
+                  copies_of_rows: bool) -> None:
+    """Arguments named before a kernel reads them: a wrong k indexes other rows silently
+    (``permutation[j] // k``), and k = 0 divided by zero. ``copies_of_rows``: ``rows`` is
+    x (T, H), whose k copies the permutation orders, so it has T*k entries."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"{op}: k={k!r} must be a positive integer (copies per row)")
+    if rows.ndim != 2 or permutation.ndim != 1:
+        raise ValueError(f"{op} wants 2-D rows and a 1-D permutation; got {rows.shape}, "
+                         f"{permutation.shape}")
+    if copies_of_rows and permutation.shape[0] != rows.shape[0] * k:
+        raise ValueError(f"{op}: permutation has {permutation.shape[0]} entries; x's "
+                         f"{rows.shape[0]} rows with k={k} copies need {rows.shape[0] * k}")
+
+
 def inverse_permutation(permutation: jax.Array) -> jax.Array:
     """inverse[permutation[j]] = j: where each row went, one store per row."""
     return _impl("inverse_permutation", (permutation.shape, permutation.dtype))(permutation)
@@ -81,6 +96,7 @@ def permute_rows(x: jax.Array, permutation: jax.Array, k: int) -> jax.Array:
     """Row j of the result is x[permutation[j] // k]: the k copies of each row of x (T, H)
     in ``sort_by_expert``'s order, in x's dtype (dispatch's BF16 pass, without the sort).
     Backward sums each row's k copies of the gradient back (``sum_copies``)."""
+    _check_copies("permute_rows", x, permutation, k, copies_of_rows=True)
     shapes = ((x.shape, x.dtype), ((permutation.shape[0], x.shape[1]), x.dtype))
     return _impl("permute", *shapes)(x, permutation, k, quantize=False)[0]
 
@@ -103,6 +119,7 @@ def sum_copies(y: jax.Array, permutation: jax.Array, k: int) -> jax.Array:
     ``permute_rows``. For expert outputs the router weights are already in (the MoE layer
     weights each row inside its expert), so backward keeps only the permutation, where
     ``combine`` keeps y for the weights' gradient."""
+    _check_copies("sum_copies", y, permutation, k, copies_of_rows=False)
     return combine(y, permutation, jnp.ones((permutation.shape[0] // k, k), jnp.float32))
 
 
@@ -144,6 +161,7 @@ def permute_quantized(x: jax.Array, permutation: jax.Array, k: int
     """``permute_rows`` fused with ``quantize_1x128`` of its result (identical values and
     scales) in one read of x: (T*k, H) FP8 and (T*k, ceil(H/128)) FP32 scales.
     Forward-only: its consumers (an all_to_all, an FP8 GEMM) own the backward."""
+    _check_copies("permute_quantized", x, permutation, k, copies_of_rows=True)
     n, h = permutation.shape[0], x.shape[1]
     out = (n, h // 4) if triton_movement.packs_fp8(n, h) else (n, h)  # uint32 words or bytes
     shapes = ((x.shape, x.dtype), (out, jnp.float8_e4m3fn if out[1] == h else jnp.uint32))
@@ -174,6 +192,9 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int, *,
         raise ValueError(f"dispatch wants x (T, H) and expert_ids (T, k); got {x.shape}, "
                          f"{expert_ids.shape}")
     k = expert_ids.shape[1]
+    if not isinstance(num_experts, int) or num_experts < 1 or k < 1:
+        raise ValueError(f"dispatch wants num_experts >= 1 and k >= 1 experts a row; got "
+                         f"num_experts={num_experts!r}, expert_ids {expert_ids.shape}")
     permutation, group_sizes = sort_by_expert(expert_ids, num_experts)
     if quantize:
         tokens, scales = permute_quantized(x, permutation, k)

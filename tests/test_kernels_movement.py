@@ -858,3 +858,23 @@ def test_gpu_public_quantize_both_ways_streams_where_the_kernel_applies():
             lay = args[1] if len(args) > 1 else aligned_layout(
                 jnp.asarray([x.shape[0]], jnp.int32), x.shape[0])
             _quantized_match(call(*args), jax.jit(ref.quantize_both_ways)(x, lay))
+
+
+def test_movement_arguments_are_named_before_a_kernel_reads_them():
+    """A wrong k reordered other rows silently; k = 0 divided by zero; num_experts 0 gave
+    empty group sizes."""
+    x = jnp.ones((8, 256), jnp.bfloat16)
+    perm = jnp.arange(16, dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"permute_rows: permutation has 16 entries; x's 8 "
+                                         r"rows with k=3 copies need 24"):
+        movement.permute_rows(x, perm, 3)
+    with pytest.raises(ValueError, match=r"permute_quantized: k=0 must be a positive integer"):
+        movement.permute_quantized(x, perm, 0)
+    with pytest.raises(ValueError, match=r"sum_copies: k=0 must be a positive integer"):
+        movement.sum_copies(jnp.ones((16, 256), jnp.bfloat16), perm, 0)
+    with pytest.raises(ValueError, match=r"permute_rows wants 2-D rows and a 1-D permutation"):
+        movement.permute_rows(x[0], perm, 2)
+    ids = jnp.zeros((8, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"num_experts >= 1 and k >= 1.*num_experts=0"):
+        movement.dispatch(x, ids, 0)
+    assert movement.permute_rows(x, perm, 2).shape == (16, 256)
