@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -38,6 +39,10 @@ GROUPED = [(8, 32768, 7168, 4096), (8, 32768, 2048, 7168), (64, 65536, 2048, 140
 # 16 x 1024 tokens x top-6 rows over 64 experts, gate/up (1024 -> 704) and down (704 -> 1024).
 SMALL_GROUPED = [(64, 98304, 1024, 704), (64, 98304, 704, 1024)]
 GROUPED_TABLES = ("grouped", "small_grouped")
+TORCHLESS = ("fp8_wgrad", "small_fp8")  # tables without torch comparators
+CPU_REFUSAL = ("times GPU kernels from a profiler trace's device time, and this process runs "
+               "on cpu: run it on a GPU (tests/test_kernels_gemm.py checks the kernels' "
+               "numerics on CPU in interpret mode)")
 
 
 def dense_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
@@ -161,6 +166,20 @@ def torch_worker(quick: bool, only: str | None, groups: int | None) -> dict[str,
             xq, wq.transpose(1, 2), sx, sw, offs=offs, out_dtype=torch.bfloat16))
         del x, dy, w_nk, w_kn, xt, dy_cm, xq, wq
     return res
+
+
+def jax_backend_in_child() -> str | None:
+    """JAX's default backend, asked in a child process (None where it fails): the torch
+    comparators must run before this process starts JAX, which takes most of the GPU's
+    memory, yet a host without a GPU must be refused before they start."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    try:
+        child = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
+                               capture_output=True, text=True, env=env, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    words = child.stdout.split()
+    return words[-1] if child.returncode == 0 and words else None
 
 
 def run_torch(quick: bool, only: str | None, groups: int | None) -> dict[str, float | str]:
@@ -515,7 +534,7 @@ def fmt(v: float | str, flops: float) -> str:
     return f"{tflops(flops, v):.0f}" if isinstance(v, float) else str(v)[:40]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--torch-worker", action="store_true")
     ap.add_argument("--quick", action="store_true", help="first shapes only")
@@ -529,24 +548,23 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=None,
                     help="only the grouped shapes of this many groups (8 or 64)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.groups is not None and args.groups not in {s[0] for s in GROUPED}:
         ap.error(f"--groups {args.groups}: the grouped shapes have "
                  f"{sorted({s[0] for s in GROUPED})} groups")
     if args.torch_worker:
         print("TORCHJSON " + json.dumps(torch_worker(args.quick, args.only, args.groups)))
         return
-    torch_res = ({} if args.only in ("fp8_wgrad", "small_fp8")
-                 else run_torch(args.quick, args.only, args.groups))
+    if args.only not in TORCHLESS and jax_backend_in_child() == "cpu":
+        ap.error(CPU_REFUSAL)
+    torch_res = {} if args.only in TORCHLESS else run_torch(args.quick, args.only, args.groups)
     import jax
 
     from pallas_kernels import triton_gemm as tg
 
     import pallas_kernels as pk
     if jax.default_backend() == "cpu":  # after torch's run: JAX then takes the GPU's memory
-        ap.error("times GPU kernels from a profiler trace's device time, and this process "
-                 "runs on cpu: run it on a GPU (tests/test_kernels_gemm.py checks the kernels' "
-                 "numerics on CPU in interpret mode)")
+        ap.error(CPU_REFUSAL)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; our backend: {pk.backend()}")
     TC = tg.TileConfig
     cands = {

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from experiments import cli
 from moejax.config import get_model_preset
 from moejax.model.expert_ffn import ExpertWeights
 from moejax.model.moe import MoE
@@ -181,9 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="small", help="model preset whose MoE shapes to use")
     parser.add_argument("--expert", default="", help="comma list of expert axis sizes "
                         "(default: 1, 2, 4, ... up to the device count)")
-    parser.add_argument("--tokens-per-device", type=int, default=8192)
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens-per-device", type=cli.integer(1), default=8192)
+    parser.add_argument("--seq-len", type=cli.integer(1), default=1024)
+    parser.add_argument("--dtype", type=cli.float_dtype, default="bfloat16")
     parser.add_argument("--precision", default="bf16", choices=PRECISIONS,
                         help="expert GEMMs: bf16, or fp8 (FP8 tokens then feed the FP8 GEMMs "
                         "as they arrived)")
@@ -194,10 +195,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma list of compute,fp8 (default: both on GPU, compute on CPU)")
     parser.add_argument("--profile", default="", help="directory for jax.profiler traces of "
                         "the layer; adds the device-time split (GPU only)")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=cli.integer(1), default=10)
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
-    distributed.initialize(args)
+    cli.checked(parser, lambda: get_model_preset(args.preset), "--preset")
+    cli.checked(parser, lambda: cli.join_run(args))
     devices = jax.device_count()
     try:
         sizes = ([int(s) for s in args.expert.split(",")] if args.expert

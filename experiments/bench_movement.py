@@ -41,6 +41,7 @@ from pallas_kernels import triton_movement as tm
 from pallas_kernels.group_schedule import aligned_layout
 from pallas_kernels.quantize import TILE, cdiv
 
+from experiments import cli
 from moejax import profiling
 from moejax.config import get_model_preset
 from moejax.model import dispatch as model_dispatch
@@ -458,48 +459,51 @@ def print_tables(copy_bw: float, rows: list[Row], layers: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="T=4096 only, one MoE size")
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)),
+    parser.add_argument("--tokens", type=cli.integers(1), default=",".join(map(str, TOKENS)),
                         help="'' to skip the per-op table")
     parser.add_argument("--crossed", action="store_true",
                         help="every (H, E) pair, not only V3's and V2-Lite's (E changes only "
                              "the sort: the data passes move the same bytes)")
     parser.add_argument("--interpret", action="store_true",
                         help="kernels in Pallas interpret mode (a CPU smoke run at tiny --tokens)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--weights", default=WEIGHT_SHAPES,
+    parser.add_argument("--repeats", type=cli.integer(1), default=10)
+    parser.add_argument("--weights", type=cli.shapes("GxKxN"), default=WEIGHT_SHAPES,
                         help="GxKxN weight stacks for quantize_weights ('' to skip)")
-    parser.add_argument("--swiglu", default=SWIGLU_SHAPES,
+    parser.add_argument("--swiglu", type=cli.shapes("MxI"), default=SWIGLU_SHAPES,
                         help="MxI expert rows for quantize_rows and swiglu_quantize ('' to skip)")
-    parser.add_argument("--moe-tokens", default="8192,32768", help="'' to skip the MoE layer")
+    parser.add_argument("--moe-tokens", type=cli.integers(1), default="8192,32768",
+                        help="'' to skip the MoE layer")
     parser.add_argument("--profile", default=None, help="trace dir for the MoE layer split")
     parser.add_argument("--json", default=None)
     parser.add_argument("--tune", action="store_true", help="sweep kernel tile configs first")
-    parser.add_argument("--tune-tokens", type=int, default=16384, help="T of the --tune sweep")
+    parser.add_argument("--tune-tokens", type=cli.integer(1), default=16384,
+                        help="T of the --tune sweep")
     parser.add_argument("--only", default="", help="the ops whose name contains this text")
     args = parser.parse_args(argv)
     names = [op.name for op in shape_ops(TOKENS[0], *PAIRED[-1], args.interpret)]
     if not any(args.only in name for name in names):
         parser.error(f"--only {args.only!r}: no op's name contains it; the ops: {names}")
+    if jax.default_backend() != "gpu" and not args.interpret:  # else every row fails
+        parser.error(f"--interpret not given, and this process runs on "
+                     f"{jax.default_backend()}: the compiled kernels need a GPU; pass "
+                     "--interpret (Pallas interpret mode, a smoke run at tiny --tokens)")
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"backend {pk.backend()}", flush=True)
     copy_bw = copy_bandwidth(args.repeats)
     if args.tune:
         tune(args.tune_tokens, copy_bw, args.repeats)
     rows: list[Row] = []
-    tokens_list = [int(t) for t in args.tokens.split(",") if t][:1 if args.quick else None]
-    for tokens in tokens_list:
+    for tokens in args.tokens[:1 if args.quick else None]:
         for hidden, experts in CROSSED if args.crossed else PAIRED:
             rows += shape_rows(tokens, hidden, experts, args.repeats, args.interpret,
                                args.only)
             print(f"done T={tokens} H={hidden} E={experts}", flush=True)
-    for shape in filter(None, args.weights.split(",")):
-        rows += weight_rows(tuple(int(d) for d in shape.split("x")), args.repeats,
-                            args.interpret)
-    for shape in filter(None, args.swiglu.split(",")):
-        rows += expert_rows(tuple(int(d) for d in shape.split("x")), args.repeats,
-                            args.interpret)
-    moe_tokens = [int(t) for t in args.moe_tokens.split(",") if t][:1 if args.quick else None]
-    layers = [d for t in moe_tokens for d in moe_layer(t, args.repeats, args.profile)]
+    for shape in args.weights:
+        rows += weight_rows(shape, args.repeats, args.interpret)
+    for shape in args.swiglu:
+        rows += expert_rows(shape, args.repeats, args.interpret)
+    layers = [d for t in args.moe_tokens[:1 if args.quick else None]
+              for d in moe_layer(t, args.repeats, args.profile)]
     copy_bw = max(copy_bw, copy_bandwidth(args.repeats))  # again, with the clocks up
     print_tables(copy_bw, rows, layers)
     if args.json:

@@ -25,7 +25,10 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+from typing import TYPE_CHECKING
 
+from experiments import cli
+from moejax.config import get_model_preset
 from moejax.parallel.pipeline import SCHEDULES, Costs, ScheduleError, build, run
 from moejax.parallel.pipeline.formulas import (
     PAPER,
@@ -34,6 +37,9 @@ from moejax.parallel.pipeline.formulas import (
     paper_bubble,
 )
 from moejax.parallel.pipeline.timeline import render
+
+if TYPE_CHECKING:  # imports jax, which starts after _use_simulated_devices
+    from moejax.parallel.mesh import MeshSpec
 
 HEADER = (
     f"{'schedule':<10} {'PP':>3} {'bubble':>7} {'paper':>7} {'formula':<19} "
@@ -80,17 +86,30 @@ def _use_simulated_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
 
 
-def _measure(args: argparse.Namespace) -> dict[str, float]:
+def _check_batch(parser: argparse.ArgumentParser, batch: int, microbatches: int,
+                 mesh: MeshSpec) -> None:
+    """--batch splits into ``microbatches`` that each split evenly over the batch axes
+    (data, expert): refused here, as the executor's reshapes fail on it with a
+    ZeroDivisionError or a sharding error."""
+    shards = mesh.data * mesh.expert
+    if batch % (microbatches * shards):
+        parser.error(f"--batch {batch}: must be a multiple of {microbatches * shards} "
+                     f"({microbatches} micro-batch(es) x the {shards} data x expert devices "
+                     f"of --mesh {mesh})")
+
+
+def _measure(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, float]:
     """Runs the executor for every schedule the builder accepts; prints step times."""
     # jax starts here, after _use_simulated_devices
     from moejax.parallel.mesh import MeshSpec
     from moejax.parallel.pipeline.measure import make_problem, measure_schedule
 
-    mesh = MeshSpec.parse(args.mesh or f"pipe={args.ranks}")
+    mesh = cli.checked(parser, lambda: MeshSpec.parse(args.mesh or f"pipe={args.ranks}"))
     if mesh.pipe != args.ranks:
-        raise SystemExit(f"--mesh {args.mesh}: its pipe axis must equal --ranks {args.ranks}")
-    problem = make_problem(args.preset, args.layers or 2 * args.ranks, args.batch, args.seq,
-                           args.dtype)
+        parser.error(f"--mesh {args.mesh}: its pipe axis must equal --ranks {args.ranks}")
+    _check_batch(parser, args.batch, args.microbatches, mesh)
+    layers = 2 * args.ranks if args.layers is None else args.layers
+    problem = make_problem(args.preset, layers, args.batch, args.seq, args.dtype)
     pairs = "whole stages" if args.stage_pairs else "MoE pieces where an expert axis has any"
     print(f"executor on {mesh} ({args.preset}, {problem.config.num_hidden_layers} layers, "
           f"batch {args.batch} x seq {args.seq}, {args.dtype}; F&B ticks pair {pairs})")
@@ -135,17 +154,20 @@ def _use_latency_hiding_scheduler() -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_latency_hiding_scheduler=true"
 
 
-def _fb_pair(args: argparse.Namespace) -> None:
+def _fb_pair(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     # jax starts here, after _use_simulated_devices and _use_latency_hiding_scheduler
     from moejax.parallel.expert import ExpertParallelOptions, expert_parallel_options
     from moejax.parallel.mesh import MeshSpec
     from moejax.parallel.pipeline.measure import fb_pair, make_problem
 
-    mesh = MeshSpec.parse(args.mesh or "expert=2")
+    mesh = cli.checked(parser, lambda: MeshSpec.parse(args.mesh or "expert=2"))
     if mesh.pipe != 1:
-        raise SystemExit(f"--fb-pair --mesh {args.mesh}: runs without a pipe axis")
-    problem = make_problem(args.preset, args.layers or 4, 2 * args.batch, args.seq, args.dtype)
-    options = ExpertParallelOptions(transport=args.transport)
+        parser.error(f"--fb-pair --mesh {args.mesh}: runs without a pipe axis")
+    _check_batch(parser, args.batch, 1, mesh)  # --batch is per micro-batch here
+    options = cli.checked(parser, lambda: ExpertParallelOptions(transport=args.transport),
+                          "--transport")
+    layers = 4 if args.layers is None else args.layers
+    problem = make_problem(args.preset, layers, 2 * args.batch, args.seq, args.dtype)
     with expert_parallel_options(options):
         results = fb_pair(problem, mesh, args.repeats,
                           pathlib.Path(args.profile) if args.profile else None)
@@ -169,12 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4, help="pipeline ranks P")
     parser.add_argument("--microbatches", type=int, default=8, help="micro-batches M")
-    parser.add_argument("--f", type=float, default=1.0, help="forward chunk time")
-    parser.add_argument("--b", type=float, default=2.0, help="full backward chunk time")
-    parser.add_argument("--w", type=float, default=1.0, help="weight-grad part of B")
-    parser.add_argument("--fb", type=float, default=None,
+    cost = cli.number(0)
+    parser.add_argument("--f", type=cost, default=1.0, help="forward chunk time")
+    parser.add_argument("--b", type=cost, default=2.0, help="full backward chunk time")
+    parser.add_argument("--w", type=cost, default=1.0, help="weight-grad part of B")
+    parser.add_argument("--fb", type=cost, default=None,
                         help="overlapped F&B pair time (default F+B)")
-    parser.add_argument("--comm", type=float, default=0.0, help="p2p latency between ranks")
+    parser.add_argument("--comm", type=cost, default=0.0, help="p2p latency between ranks")
     parser.add_argument("--show-timeline", action="store_true",
                         help="draw each schedule's simulated timeline")
     parser.add_argument("--measure", action="store_true",
@@ -189,12 +212,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mesh", default="", help="devices for --measure (default "
                         "pipe=RANKS) or --fb-pair (default expert=2)")
     parser.add_argument("--preset", default="tiny", help="model preset to run")
-    parser.add_argument("--layers", type=int, help="num_hidden_layers (default 2 x ranks)")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step "
+    parser.add_argument("--layers", type=cli.integer(1),
+                        help="num_hidden_layers (default 2 x ranks; --fb-pair: 4)")
+    parser.add_argument("--batch", type=cli.integer(1), default=16, help="sequences per step "
                         "(--fb-pair: per micro-batch)")
-    parser.add_argument("--seq", type=int, default=32, help="sequence length")
-    parser.add_argument("--dtype", default="float32", help="compute dtype")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
+    parser.add_argument("--seq", type=cli.integer(1), default=32, help="sequence length")
+    parser.add_argument("--dtype", type=cli.float_dtype, default="float32",
+                        help="compute dtype")
+    parser.add_argument("--repeats", type=cli.integer(1), default=5,
+                        help="timed runs (median)")
     parser.add_argument("--profile", help="write jax.profiler traces under this folder")
     parser.add_argument("--transport", default="auto", help="--fb-pair: token exchange "
                         "(auto: ragged on GPU, padded on CPU; ragged; padded)")
@@ -205,14 +231,19 @@ def main(argv: list[str] | None = None) -> None:
     if unknown := sorted(set(args.schedules.split(",")) - set(SCHEDULES)):
         parser.error(f"--schedules {args.schedules}: unknown {unknown}; choose from "
                      f"{sorted(SCHEDULES)}")
+    try:
+        costs = Costs(args.f, args.b, args.w, args.fb, args.comm)
+    except ScheduleError as err:
+        parser.error(f"--{err.parameter}: {err}")
     if args.measure or args.fb_pair:
+        cli.checked(parser, lambda: get_model_preset(args.preset), "--preset")
         _use_simulated_devices(8)
     if args.fb_pair:
         _use_latency_hiding_scheduler()
-        _fb_pair(args)
+        cli.checked(parser, lambda: _fb_pair(args, parser))
         return
-    measured = _measure(args) if args.measure else None
-    costs = Costs(args.f, args.b, args.w, args.fb, args.comm)
+    # the config checks the executor meets (a mesh for other devices, too few layers)
+    measured = cli.checked(parser, lambda: _measure(args, parser)) if args.measure else None
 
     print(f"P={args.ranks} ranks, M={args.microbatches} micro-batches; costs F={costs.f:g} "
           f"B={costs.b:g} W={costs.w:g} F&B={costs.f_and_b:g} comm={costs.comm:g}")

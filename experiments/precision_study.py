@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from experiments import cli
 from moejax import profiling
 from moejax.data.corpus import stdlib_documents
 from moejax.data.tokenizer import ByteTokenizer
@@ -365,8 +366,20 @@ class CompileCache:
 
     def __init__(self, path: pathlib.Path | None):
         self.path, self._lock = path, threading.Lock()
-        self._bytes: dict[str, int] = (json.loads(path.read_text())
-                                       if path is not None and path.exists() else {})
+        self._bytes = self._read(path) if path is not None and path.exists() else {}
+
+    @staticmethod
+    def _read(path: pathlib.Path) -> dict[str, int]:
+        """The file's bytes by key; a ValueError naming the file where it is not a fit
+        cache, so a wrong --fit-cache is refused before any training or compile."""
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError) as e:  # unreadable, not UTF-8, or not JSON
+            raise ValueError(f"{path}: not a fit cache ({e})") from None
+        if not (isinstance(cached, dict) and all(isinstance(v, int) for v in cached.values())):
+            raise ValueError(f"{path}: not a fit cache (want a JSON object of compiled bytes "
+                             "by key, as an earlier search wrote)")
+        return cached
 
     @staticmethod
     def key(cfg: ExperimentConfig) -> str:
@@ -385,6 +398,14 @@ class CompileCache:
                 self.path.write_text(json.dumps(self._bytes, indent=1))
 
 
+def fit_config(cfg: ExperimentConfig, seq: int, case: FitCase) -> ExperimentConfig:
+    """The config a fit search compiles at batch 1: one micro-batch in one pass."""
+    remat, precision, _ = case
+    return apply_overrides(cfg, [f"train.remat={remat}", f"train.precision={precision}",
+                                 f"train.seq_len={seq}", "train.batch_size=1",
+                                 "train.microbatches=1"])
+
+
 def print_fit(cfg: ExperimentConfig, seq: int, limit: int,
               cases: tuple[FitCase, ...] = FIT_CASES, cache: CompileCache | None = None
               ) -> None:
@@ -398,9 +419,7 @@ def print_fit(cfg: ExperimentConfig, seq: int, limit: int,
 
     def search(case: FitCase) -> int:
         remat, precision, guess = case
-        run = apply_overrides(cfg, [f"train.remat={remat}", f"train.precision={precision}",
-                                    f"train.seq_len={seq}", "train.batch_size=1",
-                                    "train.microbatches=1"])  # a micro-batch in one pass
+        run = fit_config(cfg, seq, case)
 
         def bytes_at(batch: int) -> int:
             probe = apply_overrides(run, [f"train.batch_size={batch}"])
@@ -434,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="training steps per precision; 0 runs only the fit search")
     parser.add_argument("--batch", type=int, help="global batch (default: the preset's)")
     parser.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
-    parser.add_argument("--fit-seq", type=int,
+    parser.add_argument("--fit-seq", type=cli.integer(0),
                         help="sequence length of the largest-micro-batch search: default "
                              "4096 or the model's max_position_embeddings if less; 0 skips it")
     parser.add_argument("--fit-cases", default=",".join(f"{r}:{p}" for r, p, _ in FIT_CASES),
@@ -458,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"comma-separated subset of {PRECISIONS} to train")
     parser.add_argument("--profile", metavar="DIR",
                         help="trace 3 more steps per precision here and account for the time")
-    parser.add_argument("--device-memory", type=float,
+    parser.add_argument("--device-memory", type=cli.number(0, above=True),
                         help="GiB to fit into (default: the device's bytes_limit)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.FIELD=VALUE")
@@ -484,13 +503,22 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--profile reads accelerator kernel events from the trace; this process "
                      "runs on the CPU")
 
-    base = get_experiment_preset(args.preset)
+    base = cli.checked(parser, lambda: get_experiment_preset(args.preset), "--preset")
     sizes = [f"train.steps={args.steps}",
              f"train.warmup_steps={min(base.train.warmup_steps, args.steps - 1)}"
              ] if args.steps else []
     sizes += [f"train.batch_size={args.batch}"] if args.batch else []
     sizes += [f"train.seq_len={args.seq}"] if args.seq else []
-    cfg = apply_overrides(base, sizes + args.overrides)
+    cfg = cli.checked(parser, lambda: apply_overrides(base, sizes + args.overrides))
+    fit_seq = (min(4096, cfg.model.max_position_embeddings) if args.fit_seq is None
+               else args.fit_seq)
+    for case in fit_cases if fit_seq else ():  # refused now, not after the training runs
+        cli.checked(parser, lambda: fit_config(cfg, fit_seq, case),
+                    f"--fit-seq {fit_seq} with --fit-cases {case[0]}:{case[1]}")
+    try:
+        cache = CompileCache(args.fit_cache if fit_seq else None)
+    except ValueError as e:
+        parser.error(f"--fit-cache {e}")
     tc = cfg.train
     print(f"preset {args.preset}: batch {tc.batch_size} x seq {tc.seq_len}, {args.steps} steps, "
           f"device {jax.devices()[0].device_kind}, remat {tc.remat}, "
@@ -508,11 +536,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.seeds > 1:
             print_seeds(results, [seed for seed, _ in runs])
         print_account({p: r[-1] for p, r in results.items()})
-    fit_seq = (min(4096, cfg.model.max_position_embeddings) if args.fit_seq is None
-               else args.fit_seq)
     if fit_seq:
-        print_fit(cfg, fit_seq, device_memory_bytes(args.device_memory), fit_cases,
-                  CompileCache(args.fit_cache))
+        print_fit(cfg, fit_seq, device_memory_bytes(args.device_memory), fit_cases, cache)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 
 import jax
 
+from experiments import cli
 from moejax.config import ConfigError
 from moejax.data.shards import DataError
 from moejax.memory.budget import allocator_share_hint
@@ -87,18 +88,33 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
     return cfg
 
 
+def _on_run_dir(err: OSError, run_dir: pathlib.Path) -> bool:
+    """Whether ``err`` is about the run dir: the dir, a folder above it (creating it) or a
+    path in it (checkpoints, metrics); an OSError elsewhere keeps its traceback."""
+    if not isinstance(err.filename, (str, os.PathLike)):
+        return False
+    path, root = (pathlib.Path(os.path.abspath(p)) for p in (err.filename, run_dir))
+    return path == root or root in path.parents or path in root.parents
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    run_dir = args.run_dir or pathlib.Path("runs") / args.preset
     try:
-        distributed.initialize(args)
+        cli.join_run(args)
         cfg = build_config(args)
-        run_dir = args.run_dir or pathlib.Path("runs") / args.preset
         steps = StepTrace.steps if args.profile_steps is None else args.profile_steps
         trace = StepTrace(args.profile, steps) if args.profile else None
         Trainer(cfg, run_dir, resume=args.resume, log=lambda m: print(m, flush=True),
                 trace=trace).run()
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if not _on_run_dir(e, run_dir):
+            raise
+        print(f"error: run dir {run_dir} (--run-dir): {e}; pass a directory this process "
+              "can create and write", file=sys.stderr)
         return 2
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)

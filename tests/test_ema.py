@@ -240,7 +240,6 @@ def test_gpu_ema_adds_only_its_snapshot_to_device_memory():
     """`small` on one GPU: steps without the EMA, then with it (8 groups); device memory
     (between steps and at peak) may grow by the largest snapshot group, never by anything
     near a parameter copy. Prints step times and memory."""
-    import statistics
     import time
 
     from moejax.train.step import make_train_step, state_initializer

@@ -156,7 +156,6 @@ def stage_back(shape: StageShape, model: DeepseekV3, h: jax.Array, tokens: jax.A
     if not shape.last:
         return h.astype(model.dtype), StageStats(zero, zero, zero, zero, counts, none, none)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    seq = inputs.shape[1]
     aux, dropped, cross_node = zero, none, none
     normed = model.norm(h)
     main = model.head_loss(normed, labels)
