@@ -255,9 +255,10 @@ def test_batch_that_micro_batches_cannot_split_per_device_is_named(problem):
     executor = PipelineExecutor(build("gpipe", 1, 4), graphdef, config, jnp.float32,
                                 MTP_LAMBDA)
     with jax.set_mesh(build_mesh(MeshSpec(data=2, expert=4))):
-        with pytest.raises(ConfigError, match=r"batch 16: must be divisible by the 4 "
-                                             r"micro-batches x the 8 devices"):
-            executor.step(pad_stacks(params, config, 1), biases, tokens)
+        for run in (executor.step, executor.timed_step):  # the timed chain checks it too
+            with pytest.raises(ConfigError, match=r"batch 16: must be divisible by the 4 "
+                                                 r"micro-batches x the 8 devices"):
+                run(pad_stacks(params, config, 1), biases, tokens)
 
 
 def test_study_measures_the_executor(capsys, tmp_path):

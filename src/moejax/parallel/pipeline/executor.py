@@ -374,6 +374,7 @@ class PipelineExecutor:
         median wall time of the whole chain over ``repeats`` runs, and each tick's wall
         time (the host waits after each; every rank runs in lock-step, so a tick lasts as
         long as its slowest rank's op). ``profile_dir``: one chain traced."""
+        self._check_batch(tokens.shape[0], self._specs(params)[1])
         held_of, init, ticks, finish = self.timing_programs(params)
         num_ticks = jnp.int32(self.tables.num_ticks)
 
