@@ -52,6 +52,7 @@ K = 8
 TOKENS = (4096, 16384, 65536)
 # Expert stacks (G, K, N): the small preset's gate/up and down, DeepSeek-V3's 8 local experts.
 WEIGHT_SHAPES = "64x1024x704,64x704x1024,8x7168x2048"
+MOE_SEQ = 1024  # tokens per sequence in the MoE layer's batch (the small preset's)
 # Expert rows (T*k, I): the small preset's batch of 16 x 1024 tokens (k = 6), and V3's I.
 SWIGLU_SHAPES = "98304x704,32768x2048"
 PAIRED = ((7168, 256), (2048, 64))  # DeepSeek-V3's and V2-Lite's (hidden, experts)
@@ -337,7 +338,7 @@ def moe_layer(tokens: int, repeats: int, profile_dir: str | None) -> list[dict]:
     config = get_model_preset("small")
     h, e, inner = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
     ks = jax.random.split(jax.random.key(tokens), 6)
-    seq = min(tokens, 1024)
+    seq = min(tokens, MOE_SEQ)
     x = jax.random.normal(ks[0], (tokens // seq, seq, h), jnp.bfloat16)
     router = jax.random.normal(ks[1], (h, e), jnp.float32) * 0.05
     weights = ExpertWeights(*(jax.random.normal(kk, shape, jnp.bfloat16) * 0.02 for kk, shape in
@@ -483,6 +484,10 @@ def main(argv: list[str] | None = None) -> None:
     names = [op.name for op in shape_ops(TOKENS[0], *PAIRED[-1], args.interpret)]
     if not any(args.only in name for name in names):
         parser.error(f"--only {args.only!r}: no op's name contains it; the ops: {names}")
+    ragged = [t for t in args.moe_tokens if t > MOE_SEQ and t % MOE_SEQ]
+    if ragged:  # the layer runs whole sequences: the remainder was dropped, yet counted
+        parser.error(f"--moe-tokens {ragged[0]}: must be <= {MOE_SEQ} or a multiple of "
+                     f"{MOE_SEQ} (the MoE layer runs sequences of {MOE_SEQ} tokens)")
     if jax.default_backend() != "gpu" and not args.interpret:  # else every row fails
         parser.error(f"--interpret not given, and this process runs on "
                      f"{jax.default_backend()}: the compiled kernels need a GPU; pass "

@@ -47,6 +47,7 @@ def test_shared_types_read_the_defaults_and_refuse_the_rest():
     (["--swiglu", "98304x0"], "argument --swiglu: 98304x0: '98304x0' is not a MxI shape"),
     (["--repeats", "0"], "argument --repeats: 0: must be an integer >= 1"),
     (["--tune-tokens", "-1"], "argument --tune-tokens: -1: must be an integer >= 1"),
+    (["--moe-tokens", "8192,1536"], "--moe-tokens 1536: must be <= 1024 or a multiple of 1024"),
 ])
 def test_bench_movement_refuses_bad_sizes(argv, message, capsys):
     assert message in refused(bench_movement.main, argv, capsys)
