@@ -58,6 +58,7 @@ import numpy as np
 import pallas_kernels
 from experiments import cli
 from moejax import profiling
+from moejax.atomic_file import write_atomically
 from moejax.data.corpus import stdlib_documents
 from moejax.data.tokenizer import ByteTokenizer
 from moejax.memory.budget import compiled_peak, device_memory_limit
@@ -394,8 +395,8 @@ class CompileCache:
     def put(self, cfg: ExperimentConfig, used: int) -> None:
         with self._lock:
             self._bytes[self.key(cfg)] = used
-            if self.path is not None:
-                self.path.write_text(json.dumps(self._bytes, indent=1))
+            if self.path is not None:  # whole: a search killed mid-write keeps its cache
+                write_atomically(self.path, json.dumps(self._bytes, indent=1))
 
 
 def fit_config(cfg: ExperimentConfig, seq: int, case: FitCase) -> ExperimentConfig:
